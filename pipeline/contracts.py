@@ -1,0 +1,71 @@
+"""Messages between processes: frozen dataclasses, one module.
+
+Data path: TokenizedSample (data stage) -> target worker -> FeatureBatch (object store) -> packer -> BlockBatch
+(draft_model/batch.py) -> draft -> loss. Hidden states cross a process boundary only inside a FeatureBatch, in its
+`wire_dtype` (bf16 by default), and are turned into compute tensors in exactly one place: `FeatureBatch.decode`.
+No V-sized tensor (logits) ever travels: the trainer applies the target's LM head to `final_hidden_TD` itself.
+
+Legend: T tokens of the batch's sequences concatenated, S sequences, F = m x D context features, D hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class TokenizedSample:
+    """One training sequence: token ids and which next-token targets are trained on (assistant/answer tokens)."""
+
+    sample_id: int  # stable index in the dataset order; the data position in checkpoints counts these
+    input_ids: np.ndarray  # int32/int64 [L]
+    loss_mask: np.ndarray  # bool [L]; True where the token is a training target
+
+    def __post_init__(self) -> None:
+        if self.input_ids.ndim != 1 or self.loss_mask.shape != self.input_ids.shape:
+            raise ValueError(f"sample {self.sample_id}: input_ids {self.input_ids.shape} and loss_mask "
+                             f"{self.loss_mask.shape} must be equal-length 1-D arrays")
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    """Target worker output for a group of sequences: O(D) floats per token, never logits."""
+
+    batch_index: int  # position in the global, deterministic batch order (resume bookkeeping)
+    sample_ids: tuple[int, ...]  # [S]
+    input_ids_T: torch.Tensor  # int64 [T]
+    loss_mask_T: torch.Tensor  # bool [T]
+    seq_start_S1: torch.Tensor  # int64 [S+1]
+    ctx_feats_TF: torch.Tensor  # wire dtype [T, F]: hidden states of DraftConfig.target_layers, concatenated
+    final_hidden_TD: torch.Tensor  # wire dtype [T, D]: pre-LM-head hidden state (post final norm)
+
+    def __post_init__(self) -> None:
+        T = self.input_ids_T.shape[0]
+        if self.ctx_feats_TF.shape[0] != T or self.final_hidden_TD.shape[0] != T or self.loss_mask_T.shape[0] != T:
+            raise ValueError("FeatureBatch: per-token tensors disagree on the token count")
+        if len(self.sample_ids) + 1 != self.seq_start_S1.shape[0]:
+            raise ValueError("FeatureBatch: seq_start must have one more entry than sample_ids")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])
+
+    def nbytes(self) -> int:
+        """Bytes of tensor payload this message carries."""
+        return sum(t.numel() * t.element_size() for t in (self.input_ids_T, self.loss_mask_T, self.seq_start_S1,
+                                                          self.ctx_feats_TF, self.final_hidden_TD))
+
+    def decode(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> FeatureBatch:
+        """The one place wire features become compute tensors; rejects non-finite features by name."""
+        ctx = self.ctx_feats_TF.to(device=device, dtype=dtype)
+        fin = self.final_hidden_TD.to(device=device, dtype=dtype)
+        for name, t in (("context features", ctx), ("final hidden states", fin)):
+            if not torch.isfinite(t).all():
+                bad = (~torch.isfinite(t)).any(dim=-1).nonzero().flatten()[:5].tolist()
+                raise ValueError(f"non-finite target {name} in batch {self.batch_index} (token rows {bad}, "
+                                 f"samples {list(self.sample_ids)[:5]}...): the target produced NaN/Inf")
+        return FeatureBatch(self.batch_index, self.sample_ids, self.input_ids_T.to(device),
+                            self.loss_mask_T.to(device), self.seq_start_S1.to(device), ctx, fin)
