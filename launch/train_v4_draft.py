@@ -1,0 +1,120 @@
+"""Train a DSpark draft model: frozen-target Ray workers stream hidden states to DeepSpeed draft trainers.
+
+Local (starts a Ray cluster on this machine; the embedded default is the `tiny` preset on CPU):
+    python launch/train_v4_draft.py
+On a Ray cluster:
+    ray job submit --working-dir . -- python launch/train_v4_draft.py --config launch/configs/v4-flash.yaml \
+        --run-dir /checkpoints/v4-flash-run1 train.lr=2e-4
+Re-running the same command on the same --run-dir resumes from its `latest` checkpoint.
+
+Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr), 1 for a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python launch/train_v4_draft.py` puts launch/ first, not the repo
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_CONFIG = REPO / "launch" / "configs" / "tiny.yaml"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config (default: %(default)s)")
+    p.add_argument("--preset", help="shorthand for --config launch/configs/<PRESET>.yaml")
+    p.add_argument("--run-dir", help="checkpoints, metrics and export go here (= checkpoint.run_dir)")
+    p.add_argument("--max-steps", type=int, help="= train.max_steps")
+    p.add_argument("--resume", action="store_true",
+                   help="require a checkpoint to resume from (without it, one is used if present)")
+    p.add_argument("--fresh", action="store_true", help="refuse to start if the run dir already has checkpoints")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.num_samples=64")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace):
+    from pipeline.config import load_config
+
+    path = REPO / "launch" / "configs" / f"{args.preset}.yaml" if args.preset else Path(args.config)
+    overrides = list(args.overrides)
+    if args.run_dir:
+        overrides.append(f"checkpoint.run_dir={args.run_dir}")
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    return load_config(path, overrides)
+
+
+def connect_ray(cfg) -> None:
+    import ray
+
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    t, c = cfg.target, cfg.cluster
+    needed = t.num_workers * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
+    num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    ray.init(num_cpus=num_cpus, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import ConfigError
+    from pipeline.metrics import get_logger
+
+    log = get_logger("dspark.launch")
+    args = parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from workers.checkpoint import CheckpointManager
+
+    run_dir = Path(cfg.checkpoint.run_dir).resolve()
+    cfg.checkpoint.run_dir = str(run_dir)
+    try:
+        latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.resume and latest is None:
+        print(f"error: --resume given but {run_dir} has no checkpoint", file=sys.stderr)
+        return 2
+    if args.fresh and latest is not None:
+        print(f"error: --fresh given but {run_dir} already has checkpoint {latest.name}", file=sys.stderr)
+        return 2
+
+    from workers.orchestrate import InputError, run_training
+
+    t0 = time.time()
+    try:
+        run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a failed run: one clear line, the details are in the worker logs above
+        from workers.orchestrate import root_cause
+
+        print(f"error: training failed: {root_cause(e)}", file=sys.stderr)
+        return 1
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    log.info("done in %.0fs; run dir %s", time.time() - t0, run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

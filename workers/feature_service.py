@@ -1,0 +1,84 @@
+"""The feature service: one Ray actor that owns the frozen-target workers and hands feature batches to trainers.
+
+Trainers ask for batch b (pipeline/order.py says which b each rank needs at each step); the service returns an
+ObjectRef to a FeatureBatch produced by one of its target workers. It keeps at most `max_in_flight` batches
+produced ahead of the lowest batch not yet handed out, so the target never runs unboundedly ahead of the
+trainers (backpressure) and memory stays flat. Tensors never pass through this actor: it only moves references.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ray
+
+from pipeline.contracts import TokenizedSample
+from pipeline.order import batch_sample_ids
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class FeatureService:
+    def __init__(self, samples: list[TokenizedSample], target: dict[str, Any], layers: list[int],
+                 samples_per_batch: int, seed: int, max_in_flight: int) -> None:
+        from workers.target_worker import TargetWorker
+
+        if not samples:
+            raise ValueError("the dataset has no samples")
+        self._samples = samples
+        self._spb, self._seed, self._max_in_flight = samples_per_batch, seed, max_in_flight
+        actor_cls = ray.remote(TargetWorker)
+        self._workers = [
+            actor_cls.options(num_cpus=target["cpus_per_worker"], num_gpus=target["gpus_per_worker"],
+                              resources=target["resources_per_worker"] or None).remote(
+                target["resolved_path"], layers, target["dtype"], target["wire_dtype"],
+                target["device_map"] or None, target["max_tokens_per_forward"])
+            for _ in range(target["num_workers"])
+        ]
+        self._lock = threading.Lock()
+        self._launched: dict[int, ray.ObjectRef] = {}
+        self._handed_out: set[int] = set()
+        self._low = 0  # every batch below this was handed out
+        self._next_worker = 0
+        self._produced_bytes = 0
+        self._produced_tokens = 0
+
+    def target_info(self) -> dict[str, Any]:
+        return ray.get(self._workers[0].info.remote())
+
+    def embedding_weights(self) -> list[ray.ObjectRef]:
+        """[ref] to (embed_VD, lm_head_VD) CPU tensors; wrapped in a list so Ray does not resolve it here."""
+        return [self._workers[0].embedding_weights.remote()]
+
+    def get(self, batch_index: int) -> list[ray.ObjectRef]:
+        """[ref] to FeatureBatch `batch_index`; each index is handed out once."""
+        with self._lock:
+            if batch_index in self._handed_out:
+                raise ValueError(f"feature batch {batch_index} was already handed out")
+            self._launch(batch_index)
+            ref = self._launched.pop(batch_index)
+            self._handed_out.add(batch_index)
+            while self._low in self._handed_out:
+                self._handed_out.discard(self._low)
+                self._low += 1
+            # prefetch ahead of the slowest consumer, never more than max_in_flight batches past it
+            for b in range(self._low, self._low + self._max_in_flight):
+                if b not in self._handed_out:
+                    self._launch(b)
+        return [ref]
+
+    def _launch(self, b: int) -> None:
+        if b in self._launched:
+            return
+        ids = batch_sample_ids(b, len(self._samples), self._spb, self._seed)
+        worker = self._workers[self._next_worker % len(self._workers)]
+        self._next_worker += 1
+        self._launched[b] = worker.encode.remote(b, [self._samples[i] for i in ids])
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._launched)
+
+    def shutdown(self) -> None:
+        for w in self._workers:
+            ray.kill(w)

@@ -1,0 +1,162 @@
+"""The driver's side of a run: data, target resolution, the feature service, then Ray Train + DeepSpeed.
+
+`run_training` never branches on how it was launched (local Ray, `ray job submit`, KubeRay): the caller only
+passes how to connect. Problems the user can fix (bad data, a draft that does not fit the target, a resume that
+does not match the checkpoint) raise InputError before any worker starts or any checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.config import RunConfig, save_config
+
+TINY_TARGETS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-deepseek-v3": "deepseek_v3"}
+
+
+class InputError(ValueError):
+    """Bad input the user can fix; reported as one line, exit status 2."""
+
+
+def resolve_target_path(name: str) -> Path:
+    """'smollm2' -> the converted SmolLM2 wheel; 'tiny-*' -> a cached tiny random MoE target; else a path."""
+    from pipeline.target_model import default_cache_dir, save_target, smollm2_path, tiny_moe_target
+
+    if name == "smollm2":
+        return smollm2_path()
+    if name in TINY_TARGETS:
+        out = default_cache_dir() / f"{name}-seed0"
+        if not (out / "config.json").exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out.parent))
+            model, tok = tiny_moe_target(TINY_TARGETS[name], seed=0)
+            save_target(model, tok, tmp)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise InputError(f"target.path {name!r} is neither a known name (smollm2, {', '.join(TINY_TARGETS)}) "
+                         "nor an existing file or directory")
+    return path
+
+
+def load_samples(cfg: RunConfig, target_path: Path) -> list:
+    from transformers import AutoTokenizer
+
+    from pipeline.corpus import default_corpus, load_jsonl_corpus
+
+    if target_path.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path.parent), gguf_file=target_path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    try:
+        if cfg.data.source == "default":
+            samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)
+        else:
+            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len,
+                                        num_samples=cfg.data.num_samples)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from e
+    if not samples:
+        raise InputError(f"dataset {cfg.data.source!r} has no samples")
+    trainable = sum(1 for s in samples if len(s.input_ids) >= 2 and s.loss_mask[1:].any())
+    if trainable == 0:
+        raise InputError(f"dataset {cfg.data.source!r}: none of its {len(samples)} samples has a trainable block "
+                         f"(every sequence is shorter than 2 tokens or has no loss-masked token)")
+    return samples
+
+
+def check_resume(cfg: RunConfig, meta: dict) -> None:
+    """A resume must replay the same data order with the same model; say which setting differs."""
+    saved = meta.get("config", {})
+    now = cfg.to_dict()
+    keys = [("draft", None), ("data", "samples_per_batch"), ("data", "seed"), ("data", "num_samples"),
+            ("data", "source"), ("train", "grad_accum"), ("cluster", "num_trainers"), ("target", "path")]
+    for section, key in keys:
+        a = saved.get(section, {}) if key is None else saved.get(section, {}).get(key)
+        b = now[section] if key is None else now[section][key]
+        if key is None:  # the draft section is compared after target resolution fills vocab/hidden
+            a = {k: v for k, v in a.items() if k not in ("vocab_size", "hidden_size")}
+            b = {k: v for k, v in b.items() if k not in ("vocab_size", "hidden_size")}
+        if a != b:
+            name = section if key is None else f"{section}.{key}"
+            raise InputError(f"cannot resume: {name} is {b!r} now but {a!r} in the checkpoint (the same model and "
+                             "data order are needed; use a new --run-dir to start over)")
+
+
+def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
+                 log: logging.Logger) -> None:
+    import json
+
+    import ray
+    from ray.train import RunConfig as RayRunConfig
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from workers.feature_service import FeatureService
+    from workers.trainer import train_loop
+
+    if cfg.data.max_len < 2:
+        raise InputError("data.max_len must be >= 2")
+    if resume_from is not None:
+        check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
+    target_path = resolve_target_path(cfg.target.path)
+    samples = load_samples(cfg, target_path)
+    log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
+
+    connect()
+    target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
+    service = FeatureService.remote(samples, target, list(cfg.draft.target_layers), cfg.data.samples_per_batch,
+                                    cfg.data.seed, cfg.data.max_in_flight)
+    info = ray.get(service.target_info.remote())
+    try:
+        cfg.draft = cfg.draft.resolved_for_target(info["vocab_size"], info["hidden_size"], info["num_layers"])
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    (weights_ref,) = ray.get(service.embedding_weights.remote())
+
+    run_dir = Path(cfg.checkpoint.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    log.info("training %s draft (%d layers, ffn %s, residual %s, window %d, gamma %d, head %s) for %d steps on %d "
+             "trainer(s); %s", cfg.draft.arch, cfg.draft.num_layers, cfg.draft.ffn, cfg.draft.residual,
+             cfg.draft.sliding_window, cfg.draft.block_size, cfg.draft.head, cfg.train.max_steps,
+             cfg.cluster.num_trainers, f"resuming from {resume_from}" if resume_from else "fresh start")
+
+    resources = {"CPU": cfg.cluster.cpus_per_trainer, **cfg.cluster.resources_per_trainer}
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"config": cfg.to_dict(), "service": service, "weights_ref": weights_ref,
+                           "resume_from": str(resume_from) if resume_from else None},
+        scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train"),
+    )
+    try:
+        trainer.fit()
+    finally:
+        ray.get(service.shutdown.remote())
+        ray.kill(service)
+
+
+def root_cause(e: BaseException) -> str:
+    """The innermost exception of a Ray/Train failure chain, as 'Type: message' (first line only)."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "cause", None) or e.__cause__
+        if isinstance(inner, BaseException):
+            e = inner
+            continue
+        break
+    text = str(e).strip().splitlines()
+    msg = next((ln for ln in reversed(text) if ln.strip() and not ln.startswith(" ")), "") if text else ""
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__

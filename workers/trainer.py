@@ -1,0 +1,211 @@
+"""Draft trainer workers: the Ray Train (TorchTrainer) loop that runs a DeepSpeed engine on packed blocks.
+
+Per optimizer step, rank r of R fetches its `grad_accum` feature batches from the FeatureService (batch indices
+from pipeline/order.py), packs them into BlockBatches, all-reduces the loss denominator (Σ position weights, known
+from the valid masks before any forward), then runs forward/backward per micro-batch and one ZeRO step. The LM
+head is applied here, locally, at the block positions only (inside the chunked loss).
+
+Loss scaling: DeepSpeed divides the loss by grad_accum and averages gradients over R ranks; we want the gradient
+of Σ_all numerators / Σ_all weights, so each micro-batch's loss is numerator / global_weight_sum · R · grad_accum.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from draft_model.batch import BlockBatch
+from draft_model.config import LossConfig
+from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
+from draft_model.registry import build_draft
+from pipeline.config import RunConfig, config_from_dict
+from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
+from pipeline.order import batch_index_for
+from pipeline.packing import PackStats, pack
+from workers.checkpoint import CheckpointManager, export_draft
+
+
+class DraftWithLoss(nn.Module):
+    """The draft and its loss in one module, so that ZeRO-3 has every parameter gathered while the loss runs."""
+
+    def __init__(self, draft: nn.Module, loss_cfg: LossConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self.loss_cfg = loss_cfg
+
+    def forward(self, batch: BlockBatch) -> LossParts:
+        out = self.draft(batch)
+        target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()]
+        return output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
+                           target_hidden_NKD, batch.valid_NK, self.loss_cfg)
+
+
+def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # one packed batch per micro-step; its size is set by data.*
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        # torch's AdamW: no C++ op build on machines without a prebuilt FusedAdam
+        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "weight_decay": t.weight_decay,
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": t.max_steps, "warmup_num_steps": max(t.warmup_steps, 1),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr_ratio, "warmup_type": "linear"}},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    """Ray Train entry point: one call per trainer rank."""
+    import deepspeed
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    log = get_logger("dspark.trainer", rank)
+    cfg = config_from_dict(loop_config["config"])
+    service = loop_config["service"]
+    torch.manual_seed(cfg.train.seed)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
+
+    embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
+    draft = build_draft(cfg.draft, embed_VD, lm_head_VD)
+    module = DraftWithLoss(draft, cfg.loss)
+    if cfg.train.zero_stage == 3 and draft.head_w2() is not None:
+        deepspeed.zero.register_external_parameter(module, draft.head_w2())
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=deepspeed_config(cfg), dist_init_required=not dist.is_initialized())
+
+    ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
+    start_step = 0
+    resume = loop_config.get("resume_from")
+    if resume:
+        meta = ckpts.load(engine, __import__("pathlib").Path(resume), rank)
+        start_step = int(meta["step"])
+        log.info("resumed from %s at step %d", resume, start_step)
+
+    sink = NullSink()
+    if rank == 0:
+        sinks = [JsonlSink(os.path.join(cfg.checkpoint.run_dir, "metrics.jsonl"))]
+        if cfg.train.tensorboard:
+            sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard")))
+        sink = MultiSink(*sinks)
+    bar = None
+    if rank == 0:
+        from ray.experimental import tqdm_ray
+
+        bar = tqdm_ray.tqdm(total=cfg.train.max_steps, desc="train steps")
+        bar.update(start_step)
+
+    def barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    t_start = time.time()
+    for step in range(start_step, cfg.train.max_steps):
+        t0 = time.time()
+        micro: list[tuple[BlockBatch, PackStats, int]] = []
+        for m in range(cfg.train.grad_accum):
+            b = batch_index_for(step, m, rank, cfg.train.grad_accum, world)
+            (ref,) = ray.get(service.get.remote(b))
+            fb = ray.get(ref)
+            wire_bytes = fb.nbytes()
+            fb = fb.decode(dtype)
+            bb, stats = pack([fb], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + b)
+            micro.append((bb.to(device), stats, wire_bytes))
+        t_data = time.time() - t0
+
+        local_w = sum(float(position_weights(bb.valid_NK, cfg.loss.decay_lambda).sum()) for bb, _, _ in micro)
+        (global_w,) = _all_reduce_sum([local_w])
+        scale = world * cfg.train.grad_accum
+        sums = [0.0] * 9
+        for bb, stats, wire_bytes in micro:
+            parts = engine(bb)
+            loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
+            engine.backward(loss)
+            engine.step()
+            valid = bb.valid_NK
+            tau = expected_tau(parts.c_star_NK, valid)
+            nblk = int(valid.any(-1).sum())
+            sums = [a + b for a, b in zip(sums, [
+                float(parts.ce_sum), float(parts.tv_sum), float(parts.conf_sum), float(parts.aux_loss),
+                float(valid.sum()), float(wire_bytes), float(stats.useful_block_tokens),
+                float(stats.computed_block_tokens), float(tau) * nblk if nblk else 0.0])]
+            nblocks_total = sums[-1]
+        nblk_all = sum(int(bb.valid_NK.any(-1).sum()) for bb, _, _ in micro)
+        sums.append(float(nblk_all))
+        ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = _all_reduce_sum(sums)
+        del nblocks_total
+        for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
+            if not math.isfinite(value):
+                raise FloatingPointError(f"step {step + 1}: the {name} loss is {value}; stopping before any "
+                                         "checkpoint is written (check the learning rate and the target features)")
+        dt = time.time() - t0
+        metrics = {
+            "loss": (cfg.loss.ce_weight * ce + cfg.loss.tv_weight * tv + cfg.loss.conf_weight * conf) / global_w
+            + aux / (world * cfg.train.grad_accum),
+            "loss_ce": ce / global_w, "loss_tv": tv / global_w, "loss_conf": conf / global_w,
+            "lr": scheduler.get_lr()[0] if scheduler is not None else cfg.train.lr,
+            "tokens_per_s": trained / dt, "bytes_per_token": wire / max(trained, 1.0),
+            "packing_density": useful / max(computed, 1.0), "tau_est": tau_sum / max(blocks, 1.0),
+            "trained_tokens": trained, "step_time_s": dt, "data_wait_s": t_data,
+        }
+        if rank == 0:
+            sink.log(step + 1, metrics)
+            if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.max_steps:
+                eta = (time.time() - t_start) / (step + 1 - start_step) * (cfg.train.max_steps - step - 1)
+                log.info("step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | lr %.2e | tok/s %.0f | B/tok %.0f | "
+                         "density %.3f | tau %.3f | dt %.2fs | eta %.0fs", step + 1, cfg.train.max_steps,
+                         metrics["loss"], metrics["loss_ce"], metrics["loss_tv"], metrics["loss_conf"], metrics["lr"],
+                         metrics["tokens_per_s"], metrics["bytes_per_token"], metrics["packing_density"],
+                         metrics["tau_est"], dt, eta)
+            bar.update(1)
+        if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == cfg.train.max_steps:
+            meta = {"data_position": {"next_batch_index": batch_index_for(step + 1, 0, 0, cfg.train.grad_accum, world),
+                                      "world_size": world, "grad_accum": cfg.train.grad_accum},
+                    "config": cfg.to_dict(), "metrics": metrics}
+            path = ckpts.save(engine, step + 1, meta, rank, barrier)
+            if rank == 0:
+                log.info("checkpoint %s", path)
+        ray.train.report({"step": step + 1, **{k: float(v) for k, v in metrics.items()}})
+
+    if cfg.checkpoint.export:
+        _export(engine, cfg, rank, barrier)
+    sink.close()
+    if bar is not None:
+        bar.close()
+
+
+def _export(engine: Any, cfg: RunConfig, rank: int, barrier: Any) -> None:
+    import deepspeed
+
+    draft = engine.module.draft
+    params = list(draft.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=cfg.train.zero_stage == 3):
+        if rank == 0:
+            state = {k: v.float() for k, v in draft.state_dict().items()}
+            out = export_draft(state, {"draft": cfg.draft.to_dict(), "target": cfg.target.path,
+                                       "format": "dspark-draft-v1"},
+                               os.path.join(cfg.checkpoint.run_dir, "export"))
+            get_logger("dspark.trainer", rank).info("exported the draft to %s", out)
+    barrier()
