@@ -1,0 +1,238 @@
+"""The DSpark training loss (DESIGN.md §1 "Loss"), computed without materialising N·K·V tensors.
+
+Legend (shape suffixes):
+  N  blocks                K  block size γ (predictions per block)     D  hidden size
+  V  vocabulary            R  sequential-head rank                     M  valid (block, slot) rows, M <= N·K
+  C  rows of one chunk (<= cfg.chunk_rows)
+
+For each valid slot k (1-based) of a block, with weight w_k = exp(-(k-1)/λ):
+  p_d  = softmax(h W_lmᵀ + a W2)    draft distribution; a W2 is the sequential (Markov/RNN) head's bias, if any
+  p_t  = softmax(h_t W_lmᵀ)         target distribution: a constant, no gradient flows into it
+  ce   = -log p_d(label)
+  l1   = ‖p_d − p_t‖₁               the official code's full L1, i.e. 2·TV
+  c*   = clamp(1 − l1/2, 0, 1)      detached: the confidence head learns to predict it, never moves it
+  conf = BCE_with_logits(conf_logit, c*)
+`dspark_loss` returns the weighted *sums* and the weight sum separately, because DESIGN.md normalises by the sum
+of weights over the global batch: the trainer all-reduces `weight_sum` and calls `LossParts.total(global)`, so
+the loss does not depend on how the batch is split over data-parallel ranks.
+
+Memory: the vocabulary-sized work goes through `_VocabRowsLoss`, a custom autograd Function that walks the valid
+rows `cfg.chunk_rows` at a time; its backward recomputes each chunk and applies the closed-form gradients of CE
+and L1 with respect to the logits. Neither pass keeps more than a few C·V tensors alive, however many blocks
+there are (bench/loss_memory.py measures it). `naive=True` is the plain autograd reference over all valid rows
+at once. The frozen LM head (and the target side) never receive a gradient on either path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from draft_model.config import LossConfig
+
+__all__ = ["LossParts", "dspark_loss", "output_loss", "position_weights", "expected_tau"]
+
+
+@dataclass
+class LossParts:
+    ce_sum: Tensor  # Σ w·CE over valid slots (scalar, differentiable)
+    tv_sum: Tensor  # Σ w·‖p_d − p_t‖₁
+    conf_sum: Tensor  # Σ w·BCE(conf_logit, c*); 0 without a confidence head
+    aux_loss: Tensor  # MoE balance loss, added as is (already a mean), not normalised by the weights
+    weight_sum: Tensor  # Σ w over valid slots: the local denominator (all-reduce it across ranks)
+    c_star_NK: Tensor  # detached per-slot c*; 0 on invalid slots
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+
+    def total(self, global_weight_sum: Tensor | float | None = None) -> Tensor:
+        """L = (ce_w·ce_sum + tv_w·tv_sum + conf_w·conf_sum) / global_weight_sum + aux_loss.
+
+        Pass the weight sum all-reduced over every data-parallel rank (default: this rank's own). Summing the
+        per-rank totals then gives the whole batch's loss; a trainer whose gradient all-reduce *averages* over
+        ranks must multiply by the world size to undo that average. An empty batch (weight 0) gives 0 + aux.
+        """
+        denom = self.weight_sum if global_weight_sum is None else global_weight_sum
+        denom = torch.as_tensor(denom, dtype=self.ce_sum.dtype, device=self.ce_sum.device)
+        numer = self.ce_weight * self.ce_sum + self.tv_weight * self.tv_sum + self.conf_weight * self.conf_sum
+        return numer / denom.clamp_min(torch.finfo(denom.dtype).tiny) + self.aux_loss
+
+
+def position_weights(valid_NK: Tensor, lam: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """w_NK = exp(-(k-1)/λ) for 1-based slot k on valid slots, 0 elsewhere."""
+    if lam <= 0:
+        raise ValueError(f"decay lambda must be > 0, got {lam}")
+    k_K = torch.arange(valid_NK.shape[-1], device=valid_NK.device, dtype=dtype)
+    return torch.exp(-k_K / lam) * valid_NK.to(dtype)
+
+
+def expected_tau(c_star_NK: Tensor, valid_NK: Tensor) -> Tensor:
+    """Mean over blocks of 1 + Σ_k Π_{i<=k} c*_i: the accepted length a draft with these per-slot acceptance
+    rates would reach (c* = 1 − TV is the probability of accepting slot k given the prefix was accepted).
+
+    Only the valid prefix counts; blocks without any valid slot are skipped (NaN if there are none).
+    """
+    survive_NK = torch.cumprod(c_star_NK.detach().float() * valid_NK, dim=-1)
+    tau_N = 1.0 + survive_NK.sum(-1)
+    return tau_N[valid_NK.any(-1)].mean()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax/CE run in fp32 even for bf16 activations (fp64 stays fp64, for reference checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor | None) -> Tensor:
+    """LM-head logits of some rows, plus the sequential-head bias a @ W2 when given."""
+    z_CV = h_CD @ lm_head_VD.T
+    if a_CR is not None:
+        z_CV = z_CV + a_CR @ w2_RV
+    return z_CV.to(_acc_dtype(z_CV.dtype))
+
+
+class _VocabRowsLoss(torch.autograd.Function):
+    """Per valid row: (ce_M, l1_M), chunked over rows in forward and backward.
+
+    Gradient with respect to the draft logits z of one row, with s = sign(p_d − p_t) and y = onehot(label):
+      d ce / dz = p_d − y
+      d l1 / dz = p_d ⊙ (s − <s, p_d>)       (d p_i / d z_j = p_i (δ_ij − p_j), and p_t is a constant)
+    """
+
+    @staticmethod
+    def forward(ctx, h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, chunk_rows):
+        M = h_MD.shape[0]
+        ce_M = h_MD.new_empty(M, dtype=_acc_dtype(h_MD.dtype))
+        l1_M = torch.empty_like(ce_M)
+        for lo in range(0, M, chunk_rows):
+            c = slice(lo, lo + chunk_rows)
+            z_CV = _logits(h_MD[c], lm_head_VD, None if a_MR is None else a_MR[c], w2_RV)
+            logp_CV = torch.log_softmax(z_CV, dim=-1)
+            pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
+            ce_M[c] = -logp_CV.gather(-1, labels_M[c, None]).squeeze(-1)
+            l1_M[c] = (logp_CV.exp_() - pt_CV).abs_().sum(-1)
+        ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV)
+        ctx.chunk_rows = chunk_rows
+        return ce_M, l1_M
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_ce_M, g_l1_M):
+        h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV = ctx.saved_tensors
+        need_h, need_a, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+        M, acc = h_MD.shape[0], _acc_dtype(h_MD.dtype)
+        g_ce_M = torch.zeros(M, device=h_MD.device, dtype=acc) if g_ce_M is None else g_ce_M.to(acc)
+        g_l1_M = torch.zeros(M, device=h_MD.device, dtype=acc) if g_l1_M is None else g_l1_M.to(acc)
+        grad_h = torch.zeros_like(h_MD) if need_h else None
+        grad_a = torch.zeros_like(a_MR) if need_a else None
+        grad_w2 = torch.zeros(w2_RV.shape, device=w2_RV.device, dtype=acc) if need_w2 else None
+        for lo in range(0, M, ctx.chunk_rows):
+            c = slice(lo, lo + ctx.chunk_rows)
+            a_CR = None if a_MR is None else a_MR[c]
+            p_CV = torch.softmax(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV), dim=-1)
+            pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
+            s_CV = torch.sign(p_CV - pt_CV)
+            s_CV -= (s_CV * p_CV).sum(-1, keepdim=True)
+            # grad_z = g_l1·p⊙(s − <s,p>) + g_ce·(p − y), built in place to keep the live C·V tensors few
+            grad_z_CV = s_CV.mul_(p_CV).mul_(g_l1_M[c, None])
+            grad_z_CV.add_(p_CV.mul_(g_ce_M[c, None]))
+            grad_z_CV.scatter_add_(-1, labels_M[c, None], -g_ce_M[c, None])
+            del p_CV, pt_CV
+            if need_h:
+                grad_h[c] = grad_z_CV.to(h_MD.dtype) @ lm_head_VD
+            if need_a:
+                grad_a[c] = grad_z_CV.to(a_MR.dtype) @ w2_RV.T
+            if need_w2:
+                grad_w2 += a_CR.to(acc).T @ grad_z_CV
+        if need_w2:
+            grad_w2 = grad_w2.to(w2_RV.dtype)
+        return grad_h, None, None, None, grad_a, grad_w2, None
+
+
+def _naive_rows(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV) -> tuple[Tensor, Tensor]:
+    """Reference: the same per-row quantities with plain autograd, every valid row at once."""
+    logp_MV = torch.log_softmax(_logits(h_MD, lm_head_VD, a_MR, w2_RV), dim=-1)
+    with torch.no_grad():
+        pt_MV = torch.softmax(_logits(target_MD, lm_head_VD, None, None), dim=-1)
+    ce_M = -logp_MV.gather(-1, labels_M[:, None]).squeeze(-1)
+    l1_M = (logp_MV.exp() - pt_MV).abs().sum(-1)
+    return ce_M, l1_M
+
+
+def _check_inputs(hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK, conf_logit_NK,
+                  head_factor_NKR, head_w2_RV) -> None:
+    if hidden_NKD.ndim != 3:
+        raise ValueError(f"hidden_NKD must be [N, K, D], got shape {tuple(hidden_NKD.shape)}")
+    N, K, D = hidden_NKD.shape
+    if lm_head_VD.ndim != 2 or lm_head_VD.shape[1] != D:
+        raise ValueError(f"lm_head_VD must be [V, {D}], got shape {tuple(lm_head_VD.shape)}")
+    V = lm_head_VD.shape[0]
+    if target_hidden_NKD.shape != hidden_NKD.shape:
+        raise ValueError(f"target_hidden_NKD must match hidden_NKD {tuple(hidden_NKD.shape)}, "
+                         f"got {tuple(target_hidden_NKD.shape)}")
+    for name, t in (("labels_NK", labels_NK), ("valid_NK", valid_NK), ("conf_logit_NK", conf_logit_NK)):
+        if t is not None and t.shape != (N, K):
+            raise ValueError(f"{name} must be [N, K] = [{N}, {K}], got shape {tuple(t.shape)}")
+    if valid_NK.dtype != torch.bool:
+        raise ValueError(f"valid_NK must be a bool mask, got {valid_NK.dtype}")
+    if labels_NK.is_floating_point():
+        raise ValueError(f"labels_NK must hold integer token ids, got {labels_NK.dtype}")
+    if (head_factor_NKR is None) != (head_w2_RV is None):
+        raise ValueError("head_factor_NKR and head_w2_RV come together (sequential-head bias = factor @ w2)")
+    if head_factor_NKR is not None:
+        if head_factor_NKR.ndim != 3 or head_factor_NKR.shape[:2] != (N, K):
+            raise ValueError(f"head_factor_NKR must be [{N}, {K}, R], got shape {tuple(head_factor_NKR.shape)}")
+        R = head_factor_NKR.shape[2]
+        if head_w2_RV.shape != (R, V):
+            raise ValueError(f"head_w2_RV must be [R, V] = [{R}, {V}], got shape {tuple(head_w2_RV.shape)}")
+    if (valid_NK[:, 1:] & ~valid_NK[:, :-1]).any():
+        raise ValueError("valid_NK must be a contiguous prefix per block (a valid slot after an invalid one)")
+    labels_M = labels_NK[valid_NK]
+    if labels_M.numel() and (int(labels_M.min()) < 0 or int(labels_M.max()) >= V):
+        raise ValueError(f"labels on valid slots must lie in [0, {V}), got [{int(labels_M.min())}, "
+                         f"{int(labels_M.max())}]")
+
+
+def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, target_hidden_NKD: Tensor,
+                valid_NK: Tensor, cfg: LossConfig, conf_logit_NK: Tensor | None = None,
+                head_factor_NKR: Tensor | None = None, head_w2_RV: Tensor | None = None,
+                aux_loss: Tensor | None = None, naive: bool = False) -> LossParts:
+    """Weighted CE + L1 + confidence sums over the valid slots (see the module docstring)."""
+    _check_inputs(hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK, conf_logit_NK,
+                  head_factor_NKR, head_w2_RV)
+    cfg.validate()
+    lm_head_VD = lm_head_VD.detach()  # the target's frozen head: never trained, on either path
+    w_NK = position_weights(valid_NK, cfg.decay_lambda, dtype=_acc_dtype(hidden_NKD.dtype))
+    w_M = w_NK[valid_NK]
+    rows = (hidden_NKD[valid_NK], target_hidden_NKD[valid_NK].detach(), lm_head_VD, labels_NK[valid_NK].long(),
+            None if head_factor_NKR is None else head_factor_NKR[valid_NK], head_w2_RV)
+    if naive:
+        ce_M, l1_M = _naive_rows(*rows)
+    else:
+        ce_M, l1_M = _VocabRowsLoss.apply(*rows, cfg.chunk_rows)
+
+    c_star_M = (1.0 - 0.5 * l1_M.detach()).clamp(0.0, 1.0)
+    c_star_NK = torch.zeros(valid_NK.shape, device=w_M.device, dtype=w_M.dtype)
+    c_star_NK[valid_NK] = c_star_M
+    if conf_logit_NK is not None:
+        bce_M = F.binary_cross_entropy_with_logits(conf_logit_NK[valid_NK].to(w_M.dtype), c_star_M, reduction="none")
+        conf_sum = (w_M * bce_M).sum()
+    else:
+        conf_sum = w_M.new_zeros(())
+    aux = w_M.new_zeros(()) if aux_loss is None else aux_loss
+    return LossParts(ce_sum=(w_M * ce_M).sum(), tv_sum=(w_M * l1_M).sum(), conf_sum=conf_sum, aux_loss=aux,
+                     weight_sum=w_M.sum(), c_star_NK=c_star_NK, ce_weight=cfg.ce_weight, tv_weight=cfg.tv_weight,
+                     conf_weight=cfg.conf_weight)
+
+
+def output_loss(out, lm_head_VD: Tensor, head_w2_RV: Tensor | None, labels_NK: Tensor, target_hidden_NKD: Tensor,
+                valid_NK: Tensor, cfg: LossConfig, naive: bool = False) -> LossParts:
+    """`dspark_loss` from a DraftOutput-like object (fields hidden_NKD, head_factor_NKR, conf_logit_NK,
+    aux_loss; duck-typed so this module does not depend on the model)."""
+    factor = getattr(out, "head_factor_NKR", None)
+    return dspark_loss(out.hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK, cfg,
+                       conf_logit_NK=getattr(out, "conf_logit_NK", None), head_factor_NKR=factor,
+                       head_w2_RV=head_w2_RV if factor is not None else None,
+                       aux_loss=getattr(out, "aux_loss", None), naive=naive)

@@ -1,0 +1,262 @@
+"""Tests of the DSpark loss (draft_model/loss.py) against an independent float64 reference.
+
+Run: python -m pytest tests/test_loss.py -q
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draft_model.config import LossConfig
+from draft_model.loss import dspark_loss, expected_tau, output_loss, position_weights
+
+N, K, D, V, R = 6, 5, 8, 37, 4
+
+
+def make_inputs(seed: int = 0, dtype=torch.float64, markov: bool = True, lengths=(5, 0, 3, 1, 5, 2)):
+    g = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    valid = torch.arange(K)[None, :] < torch.tensor(lengths)[:, None]
+    x = dict(
+        hidden=torch.randn(n, K, D, generator=g, dtype=dtype),
+        lm_head=torch.randn(V, D, generator=g, dtype=dtype) * 0.7,
+        labels=torch.randint(0, V, (n, K), generator=g),
+        target=torch.randn(n, K, D, generator=g, dtype=dtype),
+        valid=valid,
+        conf=torch.randn(n, K, generator=g, dtype=dtype),
+        factor=torch.randn(n, K, R, generator=g, dtype=dtype) if markov else None,
+        w2=torch.randn(R, V, generator=g, dtype=dtype) * 0.5 if markov else None,
+    )
+    return x
+
+
+def run(x, cfg, naive=False, grads=False):
+    if grads:
+        for name in ("hidden", "conf", "factor", "w2"):
+            if x[name] is not None:
+                x[name] = x[name].detach().requires_grad_(True)
+    return dspark_loss(x["hidden"], x["lm_head"], x["labels"], x["target"], x["valid"], cfg,
+                       conf_logit_NK=x["conf"], head_factor_NKR=x["factor"], head_w2_RV=x["w2"], naive=naive)
+
+
+def reference(x, cfg) -> dict:
+    """Plain loops in float64, written from DESIGN.md §1 without the library's helpers."""
+    f64 = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
+    ce = tv = conf = wsum = 0.0
+    c_star = torch.zeros(x["valid"].shape, dtype=torch.float64)
+    for n in range(x["valid"].shape[0]):
+        for k in range(K):
+            if not x["valid"][n, k]:
+                continue
+            w = math.exp(-k / cfg.decay_lambda)  # slot k+1 (1-based): exp(-((k+1)-1)/λ)
+            z = f64["lm_head"] @ f64["hidden"][n, k]
+            if x["factor"] is not None:
+                z = z + f64["factor"][n, k] @ f64["w2"]
+            p = torch.exp(z - z.max())
+            p = p / p.sum()
+            zt = f64["lm_head"] @ f64["target"][n, k]
+            q = torch.exp(zt - zt.max())
+            q = q / q.sum()
+            l1 = float((p - q).abs().sum())
+            cs = min(1.0, max(0.0, 1.0 - 0.5 * l1))
+            logit = float(f64["conf"][n, k])
+            sig = 1.0 / (1.0 + math.exp(-logit))
+            ce += w * -math.log(float(p[x["labels"][n, k]]))
+            tv += w * l1
+            conf += w * -(cs * math.log(sig) + (1 - cs) * math.log(1 - sig))
+            wsum += w
+            c_star[n, k] = cs
+    total = (cfg.ce_weight * ce + cfg.tv_weight * tv + cfg.conf_weight * conf) / wsum
+    return dict(ce=ce, tv=tv, conf=conf, wsum=wsum, c_star=c_star, total=total)
+
+
+@pytest.mark.parametrize("markov", [True, False])
+@pytest.mark.parametrize("naive", [True, False])
+def test_terms_match_float64_reference(markov, naive):
+    cfg = LossConfig(chunk_rows=3, decay_lambda=2.5, ce_weight=0.3, tv_weight=0.6, conf_weight=0.8)
+    x = make_inputs(seed=1, markov=markov)
+    ref = reference(x, cfg)
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        xd = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
+        parts = run(xd, cfg, naive=naive)
+        assert parts.ce_sum.item() == pytest.approx(ref["ce"], rel=rtol)
+        assert parts.tv_sum.item() == pytest.approx(ref["tv"], rel=rtol)
+        assert parts.conf_sum.item() == pytest.approx(ref["conf"], rel=rtol)
+        assert parts.weight_sum.item() == pytest.approx(ref["wsum"], rel=rtol)
+        assert parts.total().item() == pytest.approx(ref["total"], rel=rtol)
+        torch.testing.assert_close(parts.c_star_NK.double(), ref["c_star"], rtol=rtol, atol=rtol)
+
+
+def test_position_weights_and_expected_tau():
+    valid = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    w = position_weights(valid, 2.0)
+    expect = torch.tensor([[1.0, math.exp(-0.5), math.exp(-1.0), 0.0], [0.0] * 4,
+                           [1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)]])
+    torch.testing.assert_close(w, expect)
+    c = torch.tensor([[0.5, 0.5, 0.5, 0.9], [0.9, 0.9, 0.9, 0.9], [1.0, 0.8, 0.0, 1.0]])
+    # block 0: 1 + .5 + .25 + .125 (slot 4 invalid); block 1 has no valid slot: skipped; block 2: 1 + 1 + .8
+    assert expected_tau(c, valid).item() == pytest.approx(((1 + 0.5 + 0.25 + 0.125) + (1 + 1 + 0.8)) / 2)
+    with pytest.raises(ValueError, match="lambda"):
+        position_weights(valid, 0.0)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 7, 1000])
+@pytest.mark.parametrize("markov", [True, False])
+def test_chunked_equals_naive_values_and_grads(chunk_rows, markov):
+    cfg = LossConfig(chunk_rows=chunk_rows)
+    results = {}
+    for naive in (True, False):
+        x = make_inputs(seed=2, dtype=torch.float32, markov=markov, lengths=(5, 4, 0, 5, 2, 5, 1, 3))
+        parts = run(x, cfg, naive=naive, grads=True)
+        parts.total().backward()
+        names = ["hidden", "conf"] + (["factor", "w2"] if markov else [])
+        results[naive] = (parts, {n: x[n].grad for n in names})
+    (pn, gn), (pc, gc) = results[True], results[False]
+    for field in ("ce_sum", "tv_sum", "conf_sum", "weight_sum"):
+        a, b = getattr(pn, field).item(), getattr(pc, field).item()
+        assert b == pytest.approx(a, rel=1e-6), field
+    torch.testing.assert_close(pc.c_star_NK, pn.c_star_NK, rtol=1e-6, atol=1e-6)
+    for name in gn:
+        torch.testing.assert_close(gc[name], gn[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_backward_passes_gradcheck():
+    """The hand-written backward against finite differences (float64). No confidence term here: c* is detached
+    by design, so finite differences through it would (rightly) disagree with the loss's gradient."""
+    x = make_inputs(seed=3, lengths=(3, 2, 0, 1))
+    cfg = LossConfig(chunk_rows=2, ce_weight=0.7, tv_weight=1.3)
+
+    def f(hidden, factor, w2):
+        parts = dspark_loss(hidden, x["lm_head"], x["labels"], x["target"], x["valid"], cfg,
+                            head_factor_NKR=factor, head_w2_RV=w2)
+        return parts.ce_sum, parts.tv_sum
+
+    args = tuple(x[n].clone().requires_grad_(True) for n in ("hidden", "factor", "w2"))
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_gradients_reach_draft_side_only(naive):
+    x = make_inputs(seed=4)
+    x["target"] = x["target"].clone().requires_grad_(True)
+    x["lm_head"] = x["lm_head"].clone().requires_grad_(True)  # even if someone forgets to freeze it
+    parts = run(x, LossConfig(chunk_rows=2), naive=naive, grads=True)
+    parts.total().backward()
+    for name in ("hidden", "conf", "factor", "w2"):
+        assert x[name].grad is not None and x[name].grad.abs().sum() > 0, name
+    assert x["target"].grad is None and x["lm_head"].grad is None
+    assert not parts.c_star_NK.requires_grad
+    invalid = ~x["valid"]
+    assert x["hidden"].grad[invalid].abs().max() == 0 and x["conf"].grad[invalid].abs().max() == 0
+    assert x["factor"].grad[invalid].abs().max() == 0
+
+
+def test_global_normalisation_across_ranks():
+    """Two "ranks" with their halves and the all-reduced weight sum give the whole batch's loss and grads."""
+    cfg = LossConfig(chunk_rows=3)
+    whole = make_inputs(seed=5, dtype=torch.float64, lengths=(5, 1, 0, 4, 5, 2, 3))
+    pw = run(whole, cfg, grads=True)
+    pw.total().backward()
+    halves = [{k: (v[sl] if torch.is_tensor(v) and k not in ("lm_head", "w2") else v) for k, v in whole.items()}
+              for sl in (slice(0, 2), slice(2, None))]
+    parts = [run(h, cfg, grads=True) for h in halves]
+    global_w = sum(p.weight_sum for p in parts)  # what the all-reduce computes
+    assert global_w.item() == pytest.approx(pw.weight_sum.item())
+    combined = sum(p.total(global_w) for p in parts)
+    assert combined.item() == pytest.approx(pw.total().item(), rel=1e-12)
+    combined.backward()
+    grad_h = torch.cat([h["hidden"].grad for h in halves])
+    torch.testing.assert_close(grad_h, whole["hidden"].grad, rtol=1e-12, atol=1e-14)
+    # each rank normalising by its own weights would give a different (wrong) loss
+    assert sum(p.total() for p in parts).item() / 2 != pytest.approx(pw.total().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_empty_batch_is_zero_and_backprops(naive):
+    x = make_inputs(seed=6, lengths=(0, 0, 0))
+    parts = run(x, LossConfig(), naive=naive, grads=True)
+    loss = parts.total()
+    loss.backward()
+    assert loss.item() == 0.0 and parts.weight_sum.item() == 0.0
+    assert x["hidden"].grad.abs().max() == 0
+    assert torch.isnan(expected_tau(parts.c_star_NK, x["valid"]))
+
+
+def test_aux_loss_added_unnormalised():
+    x = make_inputs(seed=7)
+    cfg = LossConfig()
+    base = run(x, cfg).total()
+    aux = torch.tensor(0.25, dtype=torch.float64)
+    with_aux = dspark_loss(x["hidden"], x["lm_head"], x["labels"], x["target"], x["valid"], cfg,
+                           conf_logit_NK=x["conf"], head_factor_NKR=x["factor"], head_w2_RV=x["w2"], aux_loss=aux)
+    assert with_aux.total().item() == pytest.approx(base.item() + 0.25)
+    assert with_aux.total(123.0).item() == pytest.approx(base.item() * with_aux.weight_sum.item() / 123.0 + 0.25)
+
+
+def test_without_confidence_head_conf_term_is_zero():
+    x = make_inputs(seed=8)
+    x["conf"] = None
+    parts = run(x, LossConfig())
+    assert parts.conf_sum.item() == 0.0 and parts.c_star_NK.max() > 0
+
+
+def test_output_loss_reads_duck_typed_output():
+    x = make_inputs(seed=9)
+    out = SimpleNamespace(hidden_NKD=x["hidden"], head_factor_NKR=x["factor"], conf_logit_NK=x["conf"],
+                          aux_loss=torch.tensor(0.0, dtype=torch.float64))
+    a = output_loss(out, x["lm_head"], x["w2"], x["labels"], x["target"], x["valid"], LossConfig())
+    b = run(x, LossConfig())
+    assert a.total().item() == pytest.approx(b.total().item(), rel=1e-12)
+
+
+def test_saved_tensors_do_not_scale_with_vocab_times_rows():
+    """Structural memory check: the chunked path saves only its inputs for backward (no M·V tensor), the naive
+    path saves several M·V tensors (so this test can fail)."""
+    x = make_inputs(seed=10, markov=True, lengths=(5,) * 6)
+    M = int(x["valid"].sum())
+
+    def saved_numel(naive: bool) -> int:
+        big = []
+
+        def pack(t):
+            if t.dim() == 2 and t.shape[0] == M and t.shape[1] == V:
+                big.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run(dict(x), LossConfig(chunk_rows=4), naive=naive, grads=True)
+        return sum(big)
+
+    assert saved_numel(naive=True) >= M * V
+    assert saved_numel(naive=False) == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lm_head=torch.randn(V, D + 1, dtype=torch.float64)), "lm_head_VD"),
+    (dict(hidden=torch.randn(N, K, dtype=torch.float64)), "hidden_NKD"),
+    (dict(target=torch.randn(N, K - 1, D, dtype=torch.float64)), "target_hidden_NKD"),
+    (dict(labels=torch.zeros(N, K + 1, dtype=torch.long)), "labels_NK"),
+    (dict(labels=torch.zeros(N, K, dtype=torch.float64)), "integer"),
+    (dict(labels=torch.full((N, K), V, dtype=torch.long)), r"\[0, 37\)"),
+    (dict(valid=torch.ones(N, K, dtype=torch.long)), "bool"),
+    (dict(valid=torch.tensor([[True, False, True, False, False]] * N)), "contiguous prefix"),
+    (dict(conf=torch.randn(N, K - 1, dtype=torch.float64)), "conf_logit_NK"),
+    (dict(w2=None), "come together"),
+    (dict(w2=torch.randn(R + 1, V, dtype=torch.float64)), "head_w2_RV"),
+    (dict(factor=torch.randn(N, K - 1, R, dtype=torch.float64)), "head_factor_NKR"),
+])
+def test_bad_inputs_raise_value_error(bad, match):
+    x = make_inputs(seed=11, lengths=(5, 4, 3, 2, 1, 0))
+    x.update(bad)
+    with pytest.raises(ValueError, match=match):
+        run(x, LossConfig())
+
+
+def test_bad_config_raises():
+    x = make_inputs(seed=12)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        run(x, LossConfig(chunk_rows=0))
