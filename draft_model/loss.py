@@ -26,6 +26,7 @@ at once. The frozen LM head (and the target side) never receive a gradient on ei
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,10 @@ from torch import Tensor
 
 from draft_model.config import LossConfig
 
-__all__ = ["LossParts", "dspark_loss", "output_loss", "position_weights", "expected_tau"]
+if TYPE_CHECKING:
+    from draft_model.batch import BlockBatch
+
+__all__ = ["LossParts", "dspark_loss", "output_loss", "draft_loss", "position_weights", "expected_tau"]
 
 
 @dataclass
@@ -236,3 +240,12 @@ def output_loss(out, lm_head_VD: Tensor, head_w2_RV: Tensor | None, labels_NK: T
                        conf_logit_NK=getattr(out, "conf_logit_NK", None), head_factor_NKR=factor,
                        head_w2_RV=head_w2_RV if factor is not None else None,
                        aux_loss=getattr(out, "aux_loss", None), naive=naive)
+
+
+def draft_loss(model: torch.nn.Module, batch: BlockBatch, cfg: LossConfig, naive: bool = False) -> LossParts:
+    """Forward a DraftModel on a packed batch and compute its loss: labels, valid slots and the target's
+    pre-LM-head rows (p_t of slot k comes from the target's state at position p+k) all come from the batch."""
+    out = model(batch)
+    target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()].to(out.hidden_NKD.dtype)
+    return output_loss(out, model.lm_head_weight(), model.head_w2(), batch.labels_NK(), target_hidden_NKD,
+                       batch.valid_NK, cfg, naive=naive)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draft_model.config import LossConfig
-from draft_model.loss import dspark_loss, expected_tau, output_loss, position_weights
+from draft_model.loss import draft_loss, dspark_loss, expected_tau, output_loss, position_weights
 
 N, K, D, V, R = 6, 5, 8, 37, 4
 
@@ -260,3 +260,25 @@ def test_bad_config_raises():
     x = make_inputs(seed=12)
     with pytest.raises(ValueError, match="chunk_rows"):
         run(x, LossConfig(chunk_rows=0))
+
+
+def test_draft_loss_with_real_model_and_batch():
+    """The convenience wires a real DraftModel and BlockBatch: labels, valid slots and p_t rows from the batch."""
+    from draft_fixtures import dense_cfg, frozen_weights, make_batch
+
+    from draft_model.model import DraftModel
+
+    torch.manual_seed(0)
+    batch = make_batch([12, 7], [(0, 2), (0, 9), (1, 0), (1, 5), (1, 6)], block_size=4, feat_width=32)
+    model = DraftModel(dense_cfg(), *frozen_weights())
+    cfg = LossConfig(chunk_rows=3)
+    parts = draft_loss(model, batch, cfg)
+    out = model(batch)
+    manual = output_loss(out, model.lm_head_weight(), model.head_w2(), batch.labels_NK(),
+                         batch.final_hidden_TD[batch.target_index_NK()], batch.valid_NK, cfg, naive=True)
+    assert parts.total().item() == pytest.approx(manual.total().item(), rel=1e-6)
+    assert parts.weight_sum.item() == pytest.approx(position_weights(batch.valid_NK, cfg.decay_lambda).sum().item())
+    parts.total().backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None for p in trainable if p is not model.head_w2())
+    assert model.head_w2().grad.abs().sum() > 0 and model.lm_head_weight().grad is None
