@@ -1,0 +1,94 @@
+"""The DSpark draft model: parallel backbone + optional sequential head + confidence head, on the target's
+frozen embedding and LM head.
+
+The frozen target tensors are non-persistent buffers (one tensor when the target ties them), so `parameters()`
+and `state_dict()` hold only what the draft trains (plus the MoE balance-bias buffers, which are draft state).
+The LM head is *not* applied here: the loss and the sampler multiply `hidden_NKD` (and the head factor times
+`head_w2()`) by it in vocabulary chunks, so no N*K*V tensor is formed by the forward.
+
+Legend: N blocks, K block size γ, D hidden, V vocab, R head rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from draft_model.batch import BlockBatch
+from draft_model.config import DraftConfig
+from draft_model.heads import SequentialHead, build_head
+from draft_model.layers import DraftBackbone
+from draft_model.registry import register_draft
+
+
+@dataclass
+class DraftOutput:
+    hidden_NKD: torch.Tensor  # final draft hidden per slot (post final norm) = LM-head input
+    head_factor_NKR: torch.Tensor | None  # sequential-head factor a_k; bias_k = a_k @ model.head_w2()
+    conf_logit_NK: torch.Tensor | None  # confidence logit (pre-sigmoid)
+    aux_loss: torch.Tensor  # scalar MoE balance loss (0 when unused)
+
+
+def _resolve_cfg(cfg: DraftConfig, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> DraftConfig:
+    if embed_VD.ndim != 2 or lm_head_VD.shape != embed_VD.shape:
+        raise ValueError(f"embedding {tuple(embed_VD.shape)} and LM head {tuple(lm_head_VD.shape)} must both be "
+                         "[vocab, hidden]")
+    V, D = embed_VD.shape
+    if cfg.vocab_size and cfg.vocab_size != V:
+        raise ValueError(f"draft.vocab_size={cfg.vocab_size} but the target's embedding has vocab {V}")
+    if cfg.hidden_size and cfg.hidden_size != D:
+        raise ValueError(f"draft.hidden_size={cfg.hidden_size} but the target's embedding has hidden {D}")
+    cfg = replace(cfg, vocab_size=V, hidden_size=D)
+    cfg.validate()
+    return cfg
+
+
+@register_draft("dspark")
+class DraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg = _resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
+        tied = lm_head_weight_VD is embed_weight_VD or (
+            lm_head_weight_VD.data_ptr() == embed_weight_VD.data_ptr()
+            and lm_head_weight_VD.stride() == embed_weight_VD.stride())
+        embed = embed_weight_VD.detach()
+        self.register_buffer("frozen_embed_VD", embed, persistent=False)
+        self.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_weight_VD.detach(), persistent=False)
+        self.backbone = DraftBackbone(cfg)
+        self.head: SequentialHead | None = build_head(cfg)
+        conf_in = cfg.hidden_size + (cfg.head_rank if self.head is not None else 0)
+        self.conf_proj = nn.Linear(conf_in, 1) if cfg.confidence else None
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D] frozen target LM head."""
+        return self.frozen_lm_head_VD
+
+    def embed_weight(self) -> torch.Tensor:
+        """[V, D] frozen target embedding."""
+        return self.frozen_embed_VD
+
+    def head_w2(self) -> torch.Tensor | None:
+        """[R, V] trainable second factor of the sequential head (None without one)."""
+        return self.head.w2_RV if self.head is not None else None
+
+    def backbone_hidden(self, batch: BlockBatch) -> torch.Tensor:
+        """[N, K, D] LM-head input of every slot (inference: the heads then run left to right)."""
+        return self.backbone(batch, self.frozen_embed_VD)[0]
+
+    def confidence_logit(self, hidden_D: torch.Tensor, prev_embed_R: torch.Tensor | None) -> torch.Tensor:
+        """c_k logit from [h_k; W1[x_{k-1}]] (just h_k without a sequential head); any leading shape."""
+        if self.conf_proj is None:
+            raise ValueError("this draft was built with confidence=False")
+        feats = hidden_D if self.head is None else torch.cat([hidden_D, prev_embed_R.to(hidden_D.dtype)], dim=-1)
+        return self.conf_proj(feats).squeeze(-1)
+
+    def forward(self, batch: BlockBatch) -> DraftOutput:
+        """Training forward; the heads are teacher-forced with the batch's true previous tokens."""
+        hidden_NKD, aux = self.backbone(batch, self.frozen_embed_VD)
+        factor_NKR = prev_embed_NKR = None
+        if self.head is not None:
+            factor_NKR, prev_embed_NKR = self.head.teacher_forced(hidden_NKD, batch.prev_tokens_NK())
+        conf_NK = self.confidence_logit(hidden_NKD, prev_embed_NKR) if self.conf_proj is not None else None
+        return DraftOutput(hidden_NKD, factor_NKR, conf_NK, aux)

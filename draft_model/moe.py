@@ -1,0 +1,106 @@
+"""DeepSeek-style MoE FFN: top-k routed experts + always-on shared experts.
+
+Routing: scores s = sigmoid(x W_r^T) (DeepSeek-V3) or softmax; experts are *selected* by top-k of s + b, where b
+is the auxiliary-loss-free balance bias (a buffer, never trained by gradient), and *weighted* by s alone
+(sigmoid weights renormalised over the chosen k, as in V3). In training mode each forward nudges
+b_e += rate * sign(mean_load - load_e), so overloaded experts become less likely to be chosen. An optional
+classic balance loss (aux_loss_coef > 0) is returned for the caller to add to its loss.
+
+Experts run batched: (token, choice) pairs are sorted by expert, each expert does one matmul on its contiguous
+slice, and results are index_add-ed back weighted by their scores. There is no capacity limit, so no token is
+dropped and a token's output never depends on other tokens (the block-isolation tests rely on it).
+
+Data parallelism: each replica sees only its local load. `load_reducer` (settable from workers/, e.g. an
+all-reduce) turns local counts into global ones so all replicas apply the same bias update; draft_model/ itself
+never imports torch.distributed. Note that activation recomputation would run the update twice per step.
+
+Legend: T tokens, D hidden, E routed experts, A top-k choices per token, I expert intermediate size,
+P = T*A (token, choice) pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draft_model.config import MoEConfig
+from draft_model.ffn import SwiGLU
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden_size: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        D, E, I = hidden_size, cfg.num_experts, cfg.expert_intermediate_size
+        self.cfg = cfg
+        self.router_ED = nn.Parameter(torch.randn(E, D) * D ** -0.5)
+        self.w_gate_EDI = nn.Parameter(torch.randn(E, D, I) * D ** -0.5)
+        self.w_up_EDI = nn.Parameter(torch.randn(E, D, I) * D ** -0.5)
+        self.w_down_EID = nn.Parameter(torch.randn(E, I, D) * I ** -0.5)
+        self.shared = SwiGLU(D, cfg.num_shared_experts * I) if cfg.num_shared_experts > 0 else None
+        # persistent: the balance state must survive checkpoint/resume
+        self.register_buffer("router_bias_E", torch.zeros(E))
+        # tokens routed to each expert by the last forward (metrics and tests); not checkpointed
+        self.register_buffer("last_load_E", torch.zeros(E), persistent=False)
+        self.load_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (expert_TA chosen experts, weight_TA their mixing weights, scores_TE all scores), fp32 scores."""
+        logits_TE = x_TD.float() @ self.router_ED.float().t()
+        if self.cfg.score_func == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE)
+        else:
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+        # the balance bias steers selection only; it never enters the weights (so it needs no gradient)
+        expert_TA = torch.topk(scores_TE.detach() + self.router_bias_E, self.cfg.top_k, dim=-1).indices
+        weight_TA = scores_TE.gather(1, expert_TA)
+        if self.cfg.score_func == "sigmoid":
+            weight_TA = weight_TA / (weight_TA.sum(-1, keepdim=True) + 1e-20)
+        return expert_TA, weight_TA, scores_TE
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (y_TD, aux_loss scalar)."""
+        T, D = x_TD.shape
+        E, A = self.cfg.num_experts, self.cfg.top_k
+        expert_TA, weight_TA, scores_TE = self.route(x_TD)
+
+        expert_P = expert_TA.reshape(-1)
+        order_P = torch.argsort(expert_P, stable=True)
+        token_P = order_P // A  # token row of each sorted pair
+        counts_E = torch.bincount(expert_P, minlength=E)
+        x_PD = x_TD[token_P]
+        outs = []
+        start = 0
+        for e, n in enumerate(counts_E.tolist()):  # loop over experts (few), never over tokens
+            if n == 0:
+                continue
+            xe = x_PD[start:start + n]
+            h = F.silu(xe @ self.w_gate_EDI[e]) * (xe @ self.w_up_EDI[e])
+            outs.append(h @ self.w_down_EID[e])
+            start += n
+        y_PD = torch.cat(outs, dim=0) if outs else x_PD.new_zeros(0, D)
+        w_P = weight_TA.reshape(-1)[order_P].to(y_PD.dtype)
+        y_TD = torch.zeros_like(x_TD).index_add(0, token_P, y_PD * w_P[:, None])
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+
+        load_E = counts_E.to(torch.float32)
+        if self.load_reducer is not None:
+            load_E = self.load_reducer(load_E)
+        with torch.no_grad():
+            self.last_load_E.copy_(load_E)
+            if self.training and self.cfg.bias_update_rate > 0:
+                self.router_bias_E.add_(self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E))
+        return y_TD, self._aux_loss(scores_TE, load_E, T)
+
+    def _aux_loss(self, scores_TE: torch.Tensor, load_E: torch.Tensor, T: int) -> torch.Tensor:
+        """Balance loss sum_e f_e P_e (DeepSeek-V3's complementary loss, over the batch's tokens)."""
+        if self.cfg.aux_loss_coef <= 0 or T == 0:
+            return scores_TE.new_zeros(())
+        # f_e = E * load_e / (tokens * k): 1 for every expert when perfectly balanced
+        frac_E = load_E * self.cfg.num_experts / load_E.sum().clamp(min=1.0)
+        prob_E = (scores_TE / scores_TE.sum(-1, keepdim=True)).mean(0)
+        return self.cfg.aux_loss_coef * (frac_E.detach() * prob_E).sum()

@@ -1,0 +1,61 @@
+"""Named draft configurations. vocab/hidden size stay 0 and are filled from the target at build time
+(`DraftConfig.resolved_for_target`); tests shrink a preset with `dataclasses.replace`.
+
+Head geometry (32 query heads, 8 KV heads, head dim 128) follows the Qwen3/DFlash drafts; since head_dim is
+explicit, the presets fit any target hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from draft_model.config import FINAL_HIDDEN, DraftConfig, MoEConfig, evenly_spaced_layers
+
+_ATTN = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def _dflash() -> DraftConfig:
+    # DFlash proper uses 16-token blocks; we use γ = 7 (the DSpark paper's setting) so that acceptance numbers
+    # are comparable with the dspark presets. Dense, full attention, no sequential head, confidence kept.
+    return DraftConfig(arch="dspark", block_size=7, num_layers=5, ffn="dense", residual="plain",
+                       sliding_window=0, head="none", confidence=True, **_ATTN)
+
+
+def _dspark_markov() -> DraftConfig:
+    return DraftConfig(arch="dspark", block_size=7, num_layers=2, ffn="dense", residual="plain",
+                       sliding_window=0, head="markov", head_rank=256, confidence=True, **_ATTN)
+
+
+def _dspark_rnn() -> DraftConfig:
+    return DraftConfig(arch="dspark", block_size=7, num_layers=2, ffn="dense", residual="plain",
+                       sliding_window=0, head="rnn", head_rank=256, rnn_state_size=256, confidence=True, **_ATTN)
+
+
+def _v4() -> DraftConfig:
+    # DSpark-V4 production draft: 3 MoE layers, mHC residual streams, SWA 128, γ = 5, Markov head r = 256, fed
+    # with the target's final pre-LM-head state only.
+    return DraftConfig(arch="dspark", block_size=5, num_layers=3, ffn="moe",
+                       moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_intermediate_size=1024),
+                       residual="mhc", mhc_streams=4, mhc_sinkhorn_iters=20, sliding_window=128,
+                       head="markov", head_rank=256, confidence=True, target_layers=[FINAL_HIDDEN], **_ATTN)
+
+
+PRESETS: dict[str, Callable[[], DraftConfig]] = {
+    "dflash": _dflash,
+    "dspark-markov": _dspark_markov,
+    "dspark-rnn": _dspark_rnn,
+    "v4": _v4,
+}
+_MULTI_LAYER_CONTEXT = ("dflash", "dspark-markov", "dspark-rnn")
+
+
+def draft_preset(name: str, num_target_layers: int | None = None) -> DraftConfig:
+    """A fresh DraftConfig for `name`. With `num_target_layers`, the DFlash-style presets take their context from
+    one target layer per draft layer, evenly spaced from 1 to L-3 (DFlash's default); without it they read the
+    final hidden state only."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown draft preset {name!r}; valid presets: {sorted(PRESETS)}")
+    cfg = PRESETS[name]()
+    if num_target_layers is not None and name in _MULTI_LAYER_CONTEXT:
+        cfg.target_layers = evenly_spaced_layers(num_target_layers, cfg.num_layers)
+    return cfg

@@ -1,0 +1,63 @@
+"""Hand-built packed batches and tiny configs shared by the draft-model tests (not a test module)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from draft_model.batch import BlockBatch
+from draft_model.config import DraftConfig, MoEConfig
+
+V, D = 96, 32
+
+
+def make_batch(seq_lens: list[int], blocks: list[tuple[int, int]], block_size: int, feat_width: int,
+               seed: int = 0, vocab: int = V, hidden: int = D) -> BlockBatch:
+    """Random tokens/features for `seq_lens` sequences, one block per (sequence, anchor position)."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(seq_lens)
+    seq_start = torch.tensor([0] + seq_lens).cumsum(0)
+    block_seq = torch.tensor([s for s, _ in blocks])
+    anchor = torch.tensor([p for _, p in blocks])
+    k = torch.arange(block_size)
+    valid = anchor[:, None] + k[None, :] + 1 < torch.tensor(seq_lens)[block_seq][:, None]
+    return BlockBatch(
+        input_ids_T=torch.randint(0, vocab, (T,), generator=g),
+        ctx_feats_TF=torch.randn(T, feat_width, generator=g),
+        final_hidden_TD=torch.randn(T, hidden, generator=g),
+        seq_start_S1=seq_start,
+        block_seq_N=block_seq,
+        anchor_pos_N=anchor,
+        valid_NK=valid,
+    )
+
+
+def frozen_weights(seed: int = 0, vocab: int = V, hidden: int = D) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(vocab, hidden, generator=g) * 0.5, torch.randn(vocab, hidden, generator=g) * hidden ** -0.5)
+
+
+def tiny(cfg: DraftConfig, **overrides) -> DraftConfig:
+    """Shrink any preset to test size (keeps its structure: ffn, residual, head, window, γ)."""
+    small = dict(vocab_size=V, hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=0, intermediate_size=64,
+                 head_rank=16, rnn_state_size=24, moe=replace(cfg.moe, num_experts=4, top_k=2,
+                                                              expert_intermediate_size=32),
+                 mhc_streams=3, sliding_window=min(cfg.sliding_window, 6))
+    small.update(overrides)
+    return replace(cfg, **small)
+
+
+def dense_cfg(**overrides) -> DraftConfig:
+    base = dict(vocab_size=V, hidden_size=D, block_size=4, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=64, head="markov", head_rank=16)
+    base.update(overrides)
+    return DraftConfig(**base)
+
+
+def moe_mhc_cfg(**overrides) -> DraftConfig:
+    base = dict(vocab_size=V, hidden_size=D, block_size=4, num_layers=2, num_heads=4, num_kv_heads=2,
+                ffn="moe", moe=MoEConfig(num_experts=4, top_k=2, num_shared_experts=1, expert_intermediate_size=32),
+                residual="mhc", mhc_streams=3, head="rnn", head_rank=16, rnn_state_size=24)
+    base.update(overrides)
+    return DraftConfig(**base)
