@@ -1,0 +1,71 @@
+"""Chat rendering: a conversation -> token ids + a loss mask that is True on what the assistant says.
+
+The mask is derived from the tokenizer's own chat template, not from hard-coded markers: for each assistant turn
+i, rendering messages[:i] with the generation prompt gives the character where the turn's content may start and
+rendering messages[:i+1] gives where the turn ends. Tokens of the full rendering whose character span overlaps
+the assistant's content are trained on, plus the one token right after the content (the template's
+end-of-turn marker, e.g. ChatML's <|im_end|>), so the draft learns to propose the end of a reply. Anything else
+the template puts in the turn (role headers, the newline after <|im_end|>) is not trained on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def render_chat(tokenizer, messages: list[dict], sample_name: str = "<unnamed>") -> tuple[np.ndarray, np.ndarray]:
+    """Render `messages` ([{"role", "content"}, ...]) with the chat template: (input_ids int64 [L], loss_mask bool
+    [L]). Raises ValueError naming `sample_name` when a turn is malformed, an assistant turn is empty, or the
+    template leaves nothing to train on."""
+    if not messages:
+        raise ValueError(f"sample {sample_name}: conversation has no messages")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"sample {sample_name}: message {j} must be a dict with string 'role' and 'content'")
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+
+    spans: list[tuple[int, int, int]] = []  # (content_start, content_end, turn_end) in characters of `full`
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if not m["content"].strip():
+            raise ValueError(f"sample {sample_name}: assistant turn {i} is empty")
+        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
+        end_text = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not full.startswith(end_text):
+            raise ValueError(f"sample {sample_name}: the chat template does not render turn {i} as a prefix of "
+                             "the whole conversation; cannot locate the assistant tokens")
+        # Templates may trim or re-wrap content, so look for it inside this turn instead of assuming an offset;
+        # untrimmed first, so that trailing whitespace the template keeps is trained on and the next token is
+        # really the end-of-turn marker.
+        content = m["content"]
+        found = full.find(content, start, len(end_text))
+        if found < 0:
+            content = content.strip()
+            found = full.find(content, start, len(end_text))
+        if found < 0:
+            raise ValueError(f"sample {sample_name}: assistant turn {i}'s content does not appear verbatim in "
+                             "the rendered template")
+        spans.append((found, found + len(content), len(end_text)))
+
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    a, b = off[:, 0], off[:, 1]
+    mask = np.zeros(len(ids), dtype=bool)
+    for c0, c1, turn_end in spans:
+        hit = np.nonzero((a < c1) & (b > c0) & (b > a))[0]
+        if hit.size == 0:
+            continue
+        mask[hit] = True
+        eot = hit[-1] + 1
+        if eot < len(ids) and a[eot] < turn_end:
+            mask[eot] = True  # the end-of-turn marker
+    if not mask.any():
+        raise ValueError(f"sample {sample_name}: the chat template marks no assistant tokens to train on "
+                         f"(roles: {[m['role'] for m in messages]})")
+    return ids, mask

@@ -1,0 +1,126 @@
+"""Target worker: holds the frozen target and turns token sequences into FeatureBatch messages.
+
+`TargetWorker` is a plain class (tested without Ray); `TargetWorkerActor` is the same class as a Ray actor and
+`start_target_actor` places one with the GPUs/CPUs it needs. A target spread over several GPUs is loaded with a
+`device_map` inside the worker; callers only see FeatureBatches.
+
+Legend (shape suffixes):
+  S  sequences in the request    B  sequences in one forward micro-batch    L  padded length of the micro-batch
+  T  real tokens of all S sequences, concatenated    F  context feature width    D  hidden size
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import ray
+import torch
+
+from pipeline.contracts import FeatureBatch, TokenizedSample
+from pipeline.target_model import capture_features, embedding_weights, load_target, target_dims, validate_layers
+
+log = logging.getLogger(__name__)
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+    return value
+
+
+def plan_micro_batches(lengths: list[int], max_tokens_per_forward: int) -> list[list[int]]:
+    """Group sequence indices so that count x longest (the padded size) stays within the token bound.
+
+    Sequences are sorted by length first so that a micro-batch pads little; a single sequence longer than the
+    bound runs alone (a causal sequence cannot be split without changing its features).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        # Sorted ascending, so the newcomer is the longest of its group.
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens_per_forward:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class TargetWorker:
+    def __init__(self, target_path: str | os.PathLike, layers: list[int], compute_dtype: torch.dtype | str = "float32",
+                 wire_dtype: torch.dtype | str = "bfloat16", device: str | None = None,
+                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192):
+        if max_tokens_per_forward < 1:
+            raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
+        if device is not None and device_map is not None:
+            raise ValueError("give the target worker either a device or a device_map, not both")
+        self.compute_dtype, self.wire_dtype = as_dtype(compute_dtype), as_dtype(wire_dtype)
+        self.model, self.tokenizer = load_target(target_path, dtype=self.compute_dtype, device_map=device_map)
+        if device_map is None:
+            self.model.to(device or "cpu")
+        self.input_device = self.model.get_input_embeddings().weight.device
+        self.layers = list(layers)
+        validate_layers(self.layers, target_dims(self.model)[2])
+        self.max_tokens_per_forward = max_tokens_per_forward
+
+    def info(self) -> tuple[int, int, int]:
+        """(vocab_size, hidden_size, num_layers) of the target."""
+        return target_dims(self.model)
+
+    def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embed_VD, lm_head_VD) on the CPU for the trainer; one tensor twice when the target ties them (the
+        identity survives Ray's pickling of the returned tuple)."""
+        embed, head = embedding_weights(self.model)
+        embed_cpu = embed.detach().cpu()
+        return embed_cpu, (embed_cpu if head is embed else head.detach().cpu())
+
+    def encode(self, batch_index: int, samples: list[TokenizedSample]) -> FeatureBatch:
+        """Features of `samples` (kept in the given order) as one dense FeatureBatch in the wire dtype."""
+        if not samples:
+            raise ValueError(f"batch {batch_index}: no samples to encode")
+        lengths = [len(s.input_ids) for s in samples]
+        if min(lengths) < 1:
+            bad = [s.sample_id for s, n in zip(samples, lengths) if n < 1]
+            raise ValueError(f"batch {batch_index}: empty samples {bad[:5]}")
+        ctx_parts: list[torch.Tensor | None] = [None] * len(samples)
+        fin_parts: list[torch.Tensor | None] = [None] * len(samples)
+        for group in plan_micro_batches(lengths, self.max_tokens_per_forward):
+            L = max(lengths[i] for i in group)
+            # Right padding: with a causal mask, pads after a sequence cannot change its real positions.
+            ids_BL = torch.zeros(len(group), L, dtype=torch.long)
+            mask_BL = torch.zeros(len(group), L, dtype=torch.long)
+            for b, i in enumerate(group):
+                ids_BL[b, :lengths[i]] = torch.as_tensor(samples[i].input_ids, dtype=torch.long)
+                mask_BL[b, :lengths[i]] = 1
+            ctx_BLF, final_BLD = capture_features(self.model, ids_BL.to(self.input_device),
+                                                  mask_BL.to(self.input_device), self.layers)
+            for b, i in enumerate(group):
+                ctx_parts[i] = ctx_BLF[b, :lengths[i]].to("cpu", self.wire_dtype)
+                fin_parts[i] = final_BLD[b, :lengths[i]].to("cpu", self.wire_dtype)
+        seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
+        seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        return FeatureBatch(
+            batch_index=batch_index,
+            sample_ids=tuple(int(s.sample_id) for s in samples),
+            input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
+            loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
+            seq_start_S1=seq_start_S1,
+            ctx_feats_TF=torch.cat(ctx_parts, dim=0),
+            final_hidden_TD=torch.cat(fin_parts, dim=0),
+        )
+
+
+TargetWorkerActor = ray.remote(TargetWorker)
+
+
+def start_target_actor(target_path: str | os.PathLike, layers: list[int], num_gpus: float = 0,
+                       num_cpus: float = 1, **kwargs):
+    """Start one TargetWorker actor holding `num_gpus` GPUs (Ray sets CUDA_VISIBLE_DEVICES for it): one GPU ->
+    device "cuda", several -> device_map "auto" so accelerate spreads the target's layers over them."""
+    if num_gpus and "device" not in kwargs and "device_map" not in kwargs:
+        kwargs["device_map" if num_gpus > 1 else "device"] = "auto" if num_gpus > 1 else "cuda"
+    return TargetWorkerActor.options(num_gpus=num_gpus, num_cpus=num_cpus).remote(target_path, layers, **kwargs)
