@@ -1,0 +1,427 @@
+"""Offline validation of the Kubernetes manifests in k8s/.
+
+Run:  python -m pytest tests/test_k8s.py -q          (add `-m slow` for the submitter-script test on a local Ray head)
+
+KubeRay kinds (RayJob, RayCluster) are checked against the operator's CRD schemas in ../shared/schemas/kuberay/
+(the `v1` openAPIV3Schema) twice: with `jsonschema` for types and required fields, and with a key walker
+(tests/k8s_schema.py), because a JSON-schema validator accepts keys the schema does not list while the API server
+prunes them: a misspelled optional field (`shutdownAfterJobFinish`) would silently fall back to its default. The
+CRD's CEL rules (`x-kubernetes-validations`) are not evaluated; outside the pod templates they guard only
+deletionStrategy, managedBy and gcsFaultToleranceOptions, which the manifests do not set. Plain kinds (Job,
+PersistentVolumeClaim, ConfigMap) and the RayJob's pod templates go through `kubernetes-validate` in strict mode
+(unknown keys are errors), plus a small structural check that always runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from k8s_schema import SCHEMA_DIR, check_crd_document, read_crd_schema, schema_key_problems
+
+REPO = Path(__file__).resolve().parents[1]
+K8S_DIR = REPO / "k8s"
+# Validated against the oldest Kubernetes the manifests target (the Job's `batch.kubernetes.io/controller-uid`
+# label is 1.27+) and the newest one the installed kubernetes-validate ships.
+OLDEST_K8S = "1.27"
+PVC_MOUNT = "/checkpoints"
+CHECKPOINT_CLAIM, INPUT_CLAIM = "dspark-checkpoints", "dspark-inputs"
+INPUT_MOUNTS = {"/models": "models", "/data": "data"}  # mountPath -> subPath on the inputs claim
+LAUNCH_SCRIPT = "launch/train_v4_draft.py"
+GPU = "nvidia.com/gpu"
+
+
+def _load_documents() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+DOCS = _load_documents()
+
+
+def _only(kind: str) -> dict[str, Any]:
+    found = [doc for _, doc in DOCS if doc["kind"] == kind]
+    assert len(found) == 1, f"expected exactly one {kind} in k8s/, found {len(found)}"
+    return found[0]
+
+
+def _claim(name: str) -> dict[str, Any]:
+    (pvc,) = [doc for _, doc in DOCS if doc["kind"] == "PersistentVolumeClaim" and doc["metadata"]["name"] == name]
+    return pvc
+
+
+def _crd_schema(kind: str) -> dict[str, Any]:
+    if not SCHEMA_DIR.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {SCHEMA_DIR} (the shared/ folder beside the repo)")
+    return read_crd_schema(kind)
+
+
+def _check(doc: dict[str, Any]) -> list[str]:
+    _crd_schema(doc["kind"])  # skips when the schemas are absent
+    return check_crd_document(doc)
+
+
+# ---- schema validation ----------------------------------------------------------------------------------------
+
+
+def test_k8s_folder_has_the_expected_documents() -> None:
+    kinds = sorted(doc["kind"] for _, doc in DOCS)
+    assert kinds == ["Job", "PersistentVolumeClaim", "PersistentVolumeClaim", "RayCluster", "RayJob"]
+    assert all(doc["apiVersion"] == "ray.io/v1" for _, doc in DOCS if doc["kind"].startswith("Ray"))
+
+
+@pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
+def test_kuberay_documents_match_crd_schema(kind: str) -> None:
+    assert _check(_only(kind)) == []
+
+
+def test_key_walker_rejects_misspelled_fields() -> None:
+    rayjob = copy.deepcopy(_only("RayJob"))
+    spec = rayjob["spec"]
+    spec["shutdownAfterJobFinish"] = spec.pop("shutdownAfterJobFinishes")
+    trainer_container = spec["rayClusterSpec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]
+    trainer_container["volumeMount"] = trainer_container.pop("volumeMounts")
+    # A plain JSON-schema validator is blind to both typos: that is why the walker exists.
+    jsonschema.Draft7Validator(_crd_schema("RayJob")).validate(rayjob)
+    assert sorted(_check(rayjob)) == [
+        "spec.rayClusterSpec.workerGroupSpecs[1].template.spec.containers[0].volumeMount: not in the RayJob schema",
+        "spec.shutdownAfterJobFinish: not in the RayJob schema",
+    ]
+
+
+def test_crd_validation_rejects_wrong_types_and_metadata_typos() -> None:
+    rayjob = copy.deepcopy(_only("RayJob"))
+    rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = "two"
+    rayjob["metadata"]["label"] = {"a": "b"}
+    problems = _check(rayjob)
+    assert any(p.startswith("spec.rayClusterSpec.workerGroupSpecs.0.replicas:") for p in problems), problems
+    assert "metadata.label: not an ObjectMeta field" in problems
+
+
+def test_key_walker_reports_preserved_fields_as_unchecked() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                                               "b": {"type": "object", "additionalProperties": {"type": "string"}}}}
+    assert schema_key_problems({"a": {"anything": 1}, "b": {"k": "v"}, "c": 1}, schema) == (["c"], ["a"])
+
+
+def _kubernetes_validate():
+    return pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate not installed (dev extra)")
+
+
+def _plain_documents() -> list[dict[str, Any]]:
+    return [doc for _, doc in DOCS if not doc["kind"].startswith("Ray")]
+
+
+def _pod_templates() -> list[tuple[str, dict[str, Any]]]:
+    spec = _only("RayJob")["spec"]["rayClusterSpec"]
+    groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
+    return [(name, group["template"]) for name, group in groups]
+
+
+@pytest.mark.parametrize("version", [OLDEST_K8S, "latest"])
+def test_plain_kinds_and_pod_templates_pass_kubernetes_validate(version: str) -> None:
+    kv = _kubernetes_validate()
+    version = kv.latest_version() if version == "latest" else version
+    for doc in _plain_documents():
+        kv.validate(doc, version, strict=True)
+    for name, template in _pod_templates():
+        kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template},
+                    version, strict=True)
+
+
+def test_kubernetes_validate_rejects_a_misspelled_job_field() -> None:
+    kv = _kubernetes_validate()
+    job = copy.deepcopy(_only("Job"))
+    job["spec"]["backoffLimits"] = job["spec"].pop("backoffLimit")
+    with pytest.raises(kv.ValidationError, match="backoffLimits"):
+        kv.validate(job, OLDEST_K8S, strict=True)
+
+
+def test_plain_kinds_structure() -> None:
+    # Runs without kubernetes-validate: the few fields the API server requires and we rely on.
+    for doc in _plain_documents():
+        assert doc["metadata"]["name"], doc
+    for name in (CHECKPOINT_CLAIM, INPUT_CLAIM):
+        pvc = _claim(name)
+        assert pvc["apiVersion"] == "v1"
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"{name}: pods on several nodes mount it"
+        assert re.fullmatch(r"\d+(Gi|Ti)", pvc["spec"]["resources"]["requests"]["storage"])
+    job = _only("Job")
+    assert job["apiVersion"] == "batch/v1"
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("Never", "OnFailure")
+    assert isinstance(job["spec"]["backoffLimit"], int) and job["spec"]["backoffLimit"] >= 1
+    for container in job["spec"]["template"]["spec"]["containers"]:
+        assert container["name"] and container["image"]
+
+
+# ---- what the manifests must say ------------------------------------------------------------------------------
+
+
+def test_rayjob_entrypoint_runs_the_launch_script_with_a_run_dir_on_the_pvc() -> None:
+    argv = shlex.split(_only("RayJob")["spec"]["entrypoint"])
+    assert argv[:2] == ["python", LAUNCH_SCRIPT]
+    config = argv[argv.index("--config") + 1]
+    assert config == "launch/configs/v4-flash.yaml"
+    run_dir = Path(argv[argv.index("--run-dir") + 1])
+    assert run_dir.parent == Path(PVC_MOUNT) and run_dir.name, "one run per directory directly under the mount"
+    runtime_env = yaml.safe_load(_only("RayJob")["spec"]["runtimeEnvYAML"])
+    assert runtime_env["working_dir"] == "/app", "the entrypoint's relative paths are relative to the image's /app"
+
+
+def test_rayjob_cleans_up_and_retries() -> None:
+    spec = _only("RayJob")["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert spec["ttlSecondsAfterFinished"] > 0
+    assert spec["backoffLimit"] >= 1, "a retry resumes from `latest`, so retrying is cheap"
+    assert spec["activeDeadlineSeconds"] >= 24 * 3600
+
+
+def _claim_volume(pod: dict[str, Any], claim: str) -> dict[str, Any]:
+    volumes = [v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == claim]
+    assert len(volumes) == 1, f"expected one volume for claim {claim}, found {len(volumes)}"
+    return volumes[0]
+
+
+def test_every_pod_mounts_the_checkpoint_and_input_claims() -> None:
+    for name, template in _pod_templates():
+        pod = template["spec"]
+        checkpoints = _claim_volume(pod, CHECKPOINT_CLAIM)
+        inputs = _claim_volume(pod, INPUT_CLAIM)
+        assert inputs["persistentVolumeClaim"]["readOnly"] is True, f"{name}: training never writes its inputs"
+        for container in pod["containers"]:
+            where = f"{name}/{container['name']}"
+            mounts = [m for m in container["volumeMounts"] if m["name"] == checkpoints["name"]]
+            assert [m["mountPath"] for m in mounts] == [PVC_MOUNT], f"{where}: checkpoints not at {PVC_MOUNT}"
+            assert not mounts[0].get("readOnly", False) and "subPath" not in mounts[0]
+            mounts = [m for m in container["volumeMounts"] if m["name"] == inputs["name"]]
+            assert {m["mountPath"]: m["subPath"] for m in mounts} == INPUT_MOUNTS, where
+            assert all(m["readOnly"] for m in mounts), where
+
+
+def _ray_custom_resources(group: dict[str, Any]) -> dict[str, float]:
+    # KubeRay's format: a JSON object, itself quoted as a JSON string: '"{\"trainer\": 8}"'.
+    raw = group["rayStartParams"].get("resources")
+    return json.loads(json.loads(raw)) if raw else {}
+
+
+def _gpus(template: dict[str, Any]) -> int:
+    total = 0
+    for container in template["spec"]["containers"]:
+        res = container.get("resources", {})
+        limit = res.get("limits", {}).get(GPU)
+        assert res.get("requests", {}).get(GPU, limit) == limit, "GPU requests must equal limits"
+        total += int(limit or 0)
+    return total
+
+
+def test_gpu_groups_and_ray_placement_resources() -> None:
+    spec = _only("RayJob")["spec"]["rayClusterSpec"]
+    head = spec["headGroupSpec"]
+    assert _gpus(head["template"]) == 0 and head["rayStartParams"]["num-cpus"] == "0", "head does no GPU work"
+    assert _ray_custom_resources(head) == {}
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert set(groups) == {"target-workers", "trainers"}
+    for group in groups.values():
+        assert _gpus(group["template"]) > 0
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    # One target actor owns all GPUs of its pod; one trainer rank per GPU.
+    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": 1}
+    assert _ray_custom_resources(groups["trainers"]) == {"trainer": _gpus(groups["trainers"]["template"])}
+
+
+def test_images_and_ray_version_agree_with_the_project() -> None:
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (ray_pin,) = [p for p in pins if p.startswith("ray[")]
+    spec = _only("RayJob")["spec"]["rayClusterSpec"]
+    assert ray_pin.endswith("==" + spec["rayVersion"])
+    images = {c["image"] for _, t in _pod_templates() for c in t["spec"]["containers"]}
+    images |= {c["image"] for c in _only("Job")["spec"]["template"]["spec"]["containers"]}
+    assert images == {"ghcr.io/dspark/dspark-train:0.1.0"}
+
+
+def test_standing_raycluster_has_the_rayjob_cluster_shape() -> None:
+    assert _only("RayCluster")["spec"] == _only("RayJob")["spec"]["rayClusterSpec"]
+
+
+def _entrypoint_config(monkeypatch: pytest.MonkeyPatch):
+    """The RunConfig the launcher builds from the RayJob's entrypoint (its own argument parsing and validation)."""
+    from launch.train_v4_draft import build_config, parse_args
+
+    monkeypatch.chdir(REPO)  # the entrypoint runs in the working dir /app, a copy of this repository
+    return build_config(parse_args(shlex.split(_only("RayJob")["spec"]["entrypoint"])[2:]))
+
+
+def _cpus(template: dict[str, Any]) -> float:
+    # KubeRay advertises the container CPU limit as Ray's num-cpus.
+    return sum(float(c["resources"]["limits"]["cpu"]) for c in template["spec"]["containers"])
+
+
+def _under(path: str, template: dict[str, Any]) -> bool:
+    mounts = [m["mountPath"] for c in template["spec"]["containers"] for m in c.get("volumeMounts", [])]
+    return any(Path(path).is_relative_to(m) for m in mounts)
+
+
+def test_cluster_shape_matches_the_launched_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _entrypoint_config(monkeypatch)
+    assert cfg.checkpoint.run_dir == shlex.split(_only("RayJob")["spec"]["entrypoint"])[-1]
+    spec = _only("RayJob")["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    target, trainers = groups["target-workers"], groups["trainers"]
+    # One target actor per target pod, holding all of the pod's GPUs and one unit of its custom resource.
+    t = cfg.target
+    assert target["replicas"] == t.num_workers
+    assert _gpus(target["template"]) == t.gpus_per_worker
+    assert _ray_custom_resources(target) == t.resources_per_worker
+    assert _cpus(target["template"]) >= t.cpus_per_worker
+    # One trainer rank per GPU, each asking for its custom resources and CPUs.
+    c = cfg.cluster
+    assert c.use_gpu and trainers["replicas"] * _gpus(trainers["template"]) == c.num_trainers
+    per_pod = _gpus(trainers["template"])
+    assert _ray_custom_resources(trainers) == {k: v * per_pod for k, v in c.resources_per_trainer.items()}
+    assert _cpus(trainers["template"]) >= c.cpus_per_trainer * per_pod
+    # The inputs the config names are mounted where they are read: the driver (head) reads the tokenizer and the
+    # data set, the target workers load the target.
+    head = spec["headGroupSpec"]["template"]
+    assert _under(t.path, head) and _under(t.path, target["template"]) and _under(cfg.data.source, head)
+
+
+# ---- the plain-Job submitter ----------------------------------------------------------------------------------
+
+
+def _submit_container() -> dict[str, Any]:
+    (container,) = _only("Job")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _submit_script() -> str:
+    command = _submit_container()["command"]
+    assert command[:2] == ["/bin/bash", "-c"]
+    return command[2]
+
+
+def test_submit_job_targets_the_head_service_and_runs_the_launch_script() -> None:
+    container = _submit_container()
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RAY_HEAD_SVC"]["value"] == _only("RayCluster")["metadata"]["name"] + "-head-svc"
+    assert env["JOB_UID"]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['batch.kubernetes.io/controller-uid']")
+    script = _submit_script()
+    assert 'ADDR="http://${RAY_HEAD_SVC}:8265"' in script
+    submit = script[script.index("ray job submit"):]
+    assert '--address "$ADDR"' in submit and "--working-dir /app" in submit
+    runtime_env = json.loads(re.search(r"--runtime-env-json '([^']*)'", submit).group(1))
+    assert runtime_env == {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    assert f"-- python {LAUNCH_SCRIPT}" in submit
+    assert '--run-dir "/checkpoints/${RUN_NAME}"' in submit
+
+
+def test_submit_script_is_valid_bash_without_kubernetes_expansions() -> None:
+    container = _submit_container()
+    # Kubernetes rewrites $(NAME) in command/args before bash sees them; the script must only use ${NAME}.
+    assert not any("$(" in part for part in container["command"] + container["args"])
+    subprocess.run(["bash", "-n", "-c", _submit_script()], check=True)
+
+
+# ---- the submitter script against a real (local) Ray head ------------------------------------------------------
+
+_STUB_LAUNCHER = """\
+import json, pathlib, sys
+args = sys.argv[1:]
+assert pathlib.Path(args[args.index("--config") + 1]).is_file(), "entrypoint must run inside the working dir"
+run_dir = pathlib.Path(args[args.index("--run-dir") + 1])
+run_dir.mkdir(parents=True, exist_ok=True)
+with open(run_dir / "calls.jsonl", "a") as f:
+    f.write(json.dumps(args) + "\\n")
+print("STUB-RAN", json.dumps(args))
+sys.exit(3 if "fail=1" in args else 0)
+"""
+
+
+def _free_ports(n: int) -> list[int]:
+    # Ephemeral ports, outside Ray's default worker port range (10002-19999).
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_submit_script_submits_once_and_reports_failures(tmp_path: Path) -> None:
+    app, ckpt = tmp_path / "app", tmp_path / "checkpoints"
+    (app / "launch" / "configs").mkdir(parents=True)
+    (app / LAUNCH_SCRIPT).write_text(_STUB_LAUNCHER)
+    (app / "launch/configs/v4-flash.yaml").write_text("{}\n")
+    dash, agent, client = _free_ports(3)
+    script = _submit_script()
+    for old, new in (("--working-dir /app", f"--working-dir {app}"), ('"/checkpoints/', f'"{ckpt}/'),
+                     (":8265", f":{dash}")):
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    # A loopback-only head with its own ports, so it neither reaches out nor collides with other local clusters.
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_HEAD_SVC": "127.0.0.1", "RUN_NAME": "run-a"}
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--port=0", "--num-cpus=1", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+         f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def submit(job_uid: str, *overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", script, "dspark-submit", *overrides], env={**env, "JOB_UID": job_uid},
+                              capture_output=True, text=True, timeout=180)
+
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run(["ray", "job", "list", "--address", f"http://127.0.0.1:{dash}"], env=env,
+                             capture_output=True).returncode != 0:
+            assert head.poll() is None and time.monotonic() < deadline, "local Ray head did not come up"
+            time.sleep(1)
+        calls = ckpt / "run-a" / "calls.jsonl"
+
+        first = submit("uid-1", "train.lr=3e-4")
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "STUB-RAN" in first.stdout
+        (args,) = [json.loads(line) for line in calls.read_text().splitlines()]
+        assert args == ["--config", "launch/configs/v4-flash.yaml", "--run-dir", str(ckpt / "run-a"), "train.lr=3e-4"]
+
+        # A retried pod of the same Job follows the existing Ray job instead of starting a second run.
+        retry = submit("uid-1", "train.lr=3e-4")
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        assert "already submitted" in retry.stdout and "STUB-RAN" in retry.stdout
+        assert len(calls.read_text().splitlines()) == 1
+
+        # A new Job (new uid) is a new submission on the same run dir; a failing run fails the pod.
+        failed = submit("uid-2", "fail=1")
+        assert failed.returncode != 0
+        assert len(calls.read_text().splitlines()) == 2
+        # ...and its retry reports the failure too, after following the logs.
+        failed_retry = submit("uid-2", "fail=1")
+        assert failed_retry.returncode == 1 and "FAILED" in failed_retry.stdout
+        assert len(calls.read_text().splitlines()) == 2
+    finally:
+        head.terminate()  # `ray start --block` drains and stops the processes of its own node on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
