@@ -55,15 +55,17 @@ def connect_ray(cfg) -> None:
     import ray
 
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    # Workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already ships it;
+    # a driver started by hand points the workers at its checkout (same filesystem: local or shared).
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    runtime_env = None if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else {"env_vars": {"PYTHONPATH": pythonpath}}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, runtime_env=runtime_env)
         return
     t, c = cfg.target, cfg.cluster
     needed = t.num_workers * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
     num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-    ray.init(num_cpus=num_cpus, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,8 @@ class DataConfig:
     anchors_per_seq: int = 16
     seed: int = 0
     max_in_flight: int = 4  # feature batches produced ahead of the trainers (backpressure bound)
+    replay_batches: int = 0  # > 0: run the target on this many batches once, then train on them in a loop
+    #                          (trainer-only throughput, debugging); 0 = stream live features
 
 
 @dataclass
@@ -114,6 +116,7 @@ class RunConfig:
             (self.data.samples_per_batch >= 1, "data.samples_per_batch must be >= 1"),
             (self.data.anchors_per_seq >= 1, "data.anchors_per_seq must be >= 1"),
             (self.data.max_in_flight >= 1, "data.max_in_flight must be >= 1"),
+            (self.data.replay_batches >= 0, "data.replay_batches must be >= 0"),
             (self.train.max_steps >= 1, "train.max_steps must be >= 1"),
             (self.train.lr > 0, "train.lr must be > 0"),
             (0 <= self.train.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),

@@ -20,19 +20,25 @@ from pipeline.order import batch_sample_ids
 @ray.remote(num_cpus=0, max_concurrency=16)
 class FeatureService:
     def __init__(self, samples: list[TokenizedSample], target: dict[str, Any], layers: list[int],
-                 samples_per_batch: int, seed: int, max_in_flight: int) -> None:
+                 samples_per_batch: int, seed: int, max_in_flight: int, replay_batches: int = 0) -> None:
         from workers.target_worker import TargetWorker
 
         if not samples:
             raise ValueError("the dataset has no samples")
         self._samples = samples
         self._spb, self._seed, self._max_in_flight = samples_per_batch, seed, max_in_flight
+        self._replay = replay_batches
+        self._replay_refs: list[ray.ObjectRef] = []
         actor_cls = ray.remote(TargetWorker)
+        gpus = target["gpus_per_worker"]
+        # one GPU: the whole target on it; several: accelerate spreads its layers (device_map), invisible here
+        placement = {"device_map": target["device_map"] or "auto"} if gpus > 1 else {
+            "device": "cuda" if gpus > 0 else "cpu"}
         self._workers = [
-            actor_cls.options(num_cpus=target["cpus_per_worker"], num_gpus=target["gpus_per_worker"],
+            actor_cls.options(num_cpus=target["cpus_per_worker"], num_gpus=gpus,
                               resources=target["resources_per_worker"] or None).remote(
-                target["resolved_path"], layers, target["dtype"], target["wire_dtype"],
-                target["device_map"] or None, target["max_tokens_per_forward"])
+                target["resolved_path"], layers, compute_dtype=target["dtype"], wire_dtype=target["wire_dtype"],
+                max_tokens_per_forward=target["max_tokens_per_forward"], **placement)
             for _ in range(target["num_workers"])
         ]
         self._lock = threading.Lock()
@@ -44,7 +50,8 @@ class FeatureService:
         self._produced_tokens = 0
 
     def target_info(self) -> dict[str, Any]:
-        return ray.get(self._workers[0].info.remote())
+        vocab, hidden, layers = ray.get(self._workers[0].info.remote())
+        return {"vocab_size": vocab, "hidden_size": hidden, "num_layers": layers}
 
     def embedding_weights(self) -> list[ray.ObjectRef]:
         """[ref] to (embed_VD, lm_head_VD) CPU tensors; wrapped in a list so Ray does not resolve it here."""
@@ -52,6 +59,13 @@ class FeatureService:
 
     def get(self, batch_index: int) -> list[ray.ObjectRef]:
         """[ref] to FeatureBatch `batch_index`; each index is handed out once."""
+        if self._replay:
+            with self._lock:
+                while len(self._replay_refs) < self._replay:
+                    b = len(self._replay_refs)
+                    self._launch(b)
+                    self._replay_refs.append(self._launched.pop(b))
+            return [self._replay_refs[batch_index % self._replay]]
         with self._lock:
             if batch_index in self._handed_out:
                 raise ValueError(f"feature batch {batch_index} was already handed out")

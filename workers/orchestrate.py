@@ -48,6 +48,21 @@ def resolve_target_path(name: str) -> Path:
     return path
 
 
+def precheck_target(cfg: RunConfig, target_path: Path) -> None:
+    """Catch a draft that cannot sit on the target from its config.json, before any worker starts."""
+    config_json = target_path / "config.json"
+    if not config_json.is_file():
+        return  # a .gguf target: the target worker reports its dimensions once loaded
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(str(target_path))
+    tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+    try:
+        cfg.draft.check_target(int(tc.vocab_size), int(tc.hidden_size), int(tc.num_hidden_layers))
+    except ValueError as e:
+        raise InputError(str(e)) from e
+
+
 def load_samples(cfg: RunConfig, target_path: Path) -> list:
     from transformers import AutoTokenizer
 
@@ -61,8 +76,7 @@ def load_samples(cfg: RunConfig, target_path: Path) -> list:
         if cfg.data.source == "default":
             samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)
         else:
-            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len,
-                                        num_samples=cfg.data.num_samples)
+            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len)[:cfg.data.num_samples]
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from e
     if not samples:
@@ -104,18 +118,20 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from workers.feature_service import FeatureService
     from workers.trainer import train_loop
 
-    if cfg.data.max_len < 2:
-        raise InputError("data.max_len must be >= 2")
+    if cfg.data.max_len <= cfg.draft.block_size:
+        raise InputError(f"data.max_len ({cfg.data.max_len}) must exceed draft.block_size ({cfg.draft.block_size}): "
+                         "a sequence needs an anchor and at least one token after it")
     if resume_from is not None:
         check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
     target_path = resolve_target_path(cfg.target.path)
+    precheck_target(cfg, target_path)
     samples = load_samples(cfg, target_path)
     log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
 
     connect()
     target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
     service = FeatureService.remote(samples, target, list(cfg.draft.target_layers), cfg.data.samples_per_batch,
-                                    cfg.data.seed, cfg.data.max_in_flight)
+                                    cfg.data.seed, cfg.data.max_in_flight, cfg.data.replay_batches)
     info = ray.get(service.target_info.remote())
     try:
         cfg.draft = cfg.draft.resolved_for_target(info["vocab_size"], info["hidden_size"], info["num_layers"])
@@ -135,6 +151,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.to_dict(), "service": service, "weights_ref": weights_ref,
+                           "num_samples": len(samples),
                            "resume_from": str(resume_from) if resume_from else None},
         scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
                                      resources_per_worker=resources),

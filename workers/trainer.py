@@ -28,7 +28,7 @@ from draft_model.loss import LossParts, expected_tau, output_loss, position_weig
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
-from pipeline.order import batch_index_for
+from pipeline.order import batch_index_for, batches_per_epoch
 from pipeline.packing import PackStats, pack
 from workers.checkpoint import CheckpointManager, export_draft
 
@@ -46,6 +46,21 @@ class DraftWithLoss(nn.Module):
         target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()]
         return output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
                            target_hidden_NKD, batch.valid_NK, self.loss_cfg)
+
+
+def share_moe_load(draft: nn.Module) -> None:
+    """Make every data-parallel replica apply the same loss-free balance-bias update (from the global load)."""
+    from draft_model.moe import MoE
+
+    def global_load(load_E: torch.Tensor) -> torch.Tensor:
+        load_E = load_E.clone()
+        dist.all_reduce(load_E)
+        return load_E
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for m in draft.modules():
+            if isinstance(m, MoE):
+                m.load_reducer = global_load
 
 
 def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
@@ -83,12 +98,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     log = get_logger("dspark.trainer", rank)
     cfg = config_from_dict(loop_config["config"])
     service = loop_config["service"]
+    num_samples = loop_config["num_samples"]
     torch.manual_seed(cfg.train.seed)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
 
     embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
     draft = build_draft(cfg.draft, embed_VD, lm_head_VD)
+    share_moe_load(draft)
     module = DraftWithLoss(draft, cfg.loss)
     if cfg.train.zero_stage == 3 and draft.head_w2() is not None:
         deepspeed.zero.register_external_parameter(module, draft.head_w2())
@@ -131,31 +148,31 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             fb = ray.get(ref)
             wire_bytes = fb.nbytes()
             fb = fb.decode(dtype)
-            bb, stats = pack([fb], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + b)
+            # anchors: a pure function of (seed, epoch, sample id), so they change per epoch but never per rank
+            epoch = b // batches_per_epoch(num_samples, cfg.data.samples_per_batch)
+            bb, stats = pack([fb], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch)
             micro.append((bb.to(device), stats, wire_bytes))
         t_data = time.time() - t0
 
         local_w = sum(float(position_weights(bb.valid_NK, cfg.loss.decay_lambda).sum()) for bb, _, _ in micro)
         (global_w,) = _all_reduce_sum([local_w])
         scale = world * cfg.train.grad_accum
-        sums = [0.0] * 9
+        acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum",
+                             "blocks"), 0.0)
         for bb, stats, wire_bytes in micro:
             parts = engine(bb)
             loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
             engine.backward(loss)
             engine.step()
-            valid = bb.valid_NK
-            tau = expected_tau(parts.c_star_NK, valid)
-            nblk = int(valid.any(-1).sum())
-            sums = [a + b for a, b in zip(sums, [
-                float(parts.ce_sum), float(parts.tv_sum), float(parts.conf_sum), float(parts.aux_loss),
-                float(valid.sum()), float(wire_bytes), float(stats.useful_block_tokens),
-                float(stats.computed_block_tokens), float(tau) * nblk if nblk else 0.0])]
-            nblocks_total = sums[-1]
-        nblk_all = sum(int(bb.valid_NK.any(-1).sum()) for bb, _, _ in micro)
-        sums.append(float(nblk_all))
-        ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = _all_reduce_sum(sums)
-        del nblocks_total
+            blocks = int(bb.valid_NK.any(-1).sum())
+            for key, value in (("ce", parts.ce_sum.item()), ("tv", parts.tv_sum.item()),
+                               ("conf", parts.conf_sum.item()), ("aux", parts.aux_loss.item()),
+                               ("trained", int(bb.valid_NK.sum())), ("wire", wire_bytes),
+                               ("useful", stats.useful_block_tokens), ("computed", stats.computed_block_tokens),
+                               ("tau_sum", expected_tau(parts.c_star_NK, bb.valid_NK).item() * blocks if blocks
+                                else 0.0), ("blocks", blocks)):
+                acc[key] += value
+        ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = _all_reduce_sum(list(acc.values()))
         for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
             if not math.isfinite(value):
                 raise FloatingPointError(f"step {step + 1}: the {name} loss is {value}; stopping before any "
@@ -187,7 +204,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             path = ckpts.save(engine, step + 1, meta, rank, barrier)
             if rank == 0:
                 log.info("checkpoint %s", path)
-        ray.train.report({"step": step + 1, **{k: float(v) for k, v in metrics.items()}})
 
     if cfg.checkpoint.export:
         _export(engine, cfg, rank, barrier)

@@ -1,0 +1,88 @@
+"""Helpers for tests that run the real launch script: a tiny MoE target config and a loopback Ray head."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch" / "train_v4_draft.py"
+
+# The tiny preset shrunk onto a tiny random Qwen3-MoE target (hidden 64, SmolLM2 tokenizer): CPU-fast.
+TINY_MOE = [
+    "target.path=tiny-qwen3-moe", "draft.num_heads=4", "draft.num_kv_heads=2", "draft.head_dim=16",
+    "data.num_samples=96", "data.max_len=64", "data.samples_per_batch=4", "train.warmup_steps=2",
+    "train.tensorboard=false",
+]
+
+
+def quiet_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "TQDM_DISABLE": "1",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"})
+    env.pop("RAY_ADDRESS", None)
+    env.update(extra)
+    return env
+
+
+def run_launch(args: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+               ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=REPO, env=env or quiet_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackHead:
+    """`ray start --head --block` on 127.0.0.1, held by its own process handle; `stop()` ends what it started."""
+
+    def __init__(self, num_cpus: int = 4, dashboard: bool = False) -> None:
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        self.temp_dir = Path(f"/tmp/ray-test-{self.port}")
+        cmd = ["ray", "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
+               f"--num-cpus={num_cpus}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
+        if dashboard:
+            cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
+        else:
+            cmd += ["--include-dashboard=false"]
+        self.env = quiet_env(PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.address = f"127.0.0.1:{self.port}"
+        self._wait_ready(dashboard)
+
+    def _wait_ready(self, dashboard: bool, timeout: float = 90) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray head exited: {self.proc.stdout.read()}")
+            probe = subprocess.run(["ray", "status", f"--address={self.address}"], env=self.env,
+                                   capture_output=True, text=True)
+            if probe.returncode == 0 and (not dashboard or _port_open(self.dashboard_port)):
+                return
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError("ray head did not come up")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # --block: ray stops the processes it started when this one is terminated
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
