@@ -126,8 +126,8 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     into place only when complete, so a crash never leaves a half-written cache; later loads take < 1 s.
     """
     gguf = smollm2_gguf()
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = cache / f"smollm2-135m-instruct-{importlib.metadata.version(SMOLLM2_DIST)}-fp32"
+    out = _smollm2_cache_entry(cache_dir)
+    cache = out.parent
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     cache.mkdir(parents=True, exist_ok=True)
@@ -159,10 +159,21 @@ def _save_converted(model: nn.Module, tokenizer, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+def _smollm2_cache_entry(cache_dir: str | os.PathLike | None) -> Path:
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cache / f"smollm2-135m-instruct-{importlib.metadata.version(SMOLLM2_DIST)}-fp32"
+
+
 def smollm2_tokenizer(cache_dir: str | os.PathLike | None = None):
+    """SmolLM2's tokenizer: from the converted cache when it exists, else straight from the GGUF file (~4 s),
+    so that tiny targets never pay for a model conversion they do not need."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_path(cache_dir)))
+    cached = _smollm2_cache_entry(cache_dir)
+    if (cached / "tokenizer.json").exists() and (cached / "model.safetensors").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    gguf = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 # ---- tiny random MoE targets (offline, for tests and the `tiny` preset) -----------------------------------------
@@ -238,6 +249,8 @@ def capture_features(model: nn.Module, input_ids_BL: torch.Tensor, attention_mas
     input, read by a forward pre-hook on `get_output_embeddings()`. To keep V-sized tensors out, the same hook
     hands the LM head only the last position, so the forward's own logits are [B, 1, V] (never returned); this
     works for any causal LM whose forward ends in its output embeddings, with no per-architecture base-model call.
+    Cost: output_hidden_states keeps all num_layers + 1 states of the micro-batch alive until it returns; for a
+    very deep target, bound this with the worker's max_tokens_per_forward (or hook only the chosen layers).
     """
     validate_layers(layers, target_dims(model)[2])
     captured: dict[str, torch.Tensor] = {}

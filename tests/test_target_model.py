@@ -70,7 +70,13 @@ def test_smollm2_cache_is_reused_and_unquantized(smol):
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
     embed, head = tm.embedding_weights(smol[0])
     assert embed is head and embed.shape == (49152, 576)
-    assert not list(path.parent.glob(".tmp-smollm2-*")), "no half-written conversion may be left behind"
+
+
+def test_tokenizer_without_cache_comes_from_gguf(tmp_path, smol):
+    tok = tm.smollm2_tokenizer(tmp_path)  # empty cache: read from the GGUF, no conversion
+    assert list(tmp_path.iterdir()) == []
+    text = "def f(x):\n    return x ** 2  # ünïcode"
+    assert tok(text)["input_ids"] == smol[1](text)["input_ids"] and tok.chat_template == smol[1].chat_template
 
 
 def test_conversion_crash_leaves_no_cache(tmp_path, monkeypatch):
