@@ -17,10 +17,11 @@ of weights over the global batch: the trainer all-reduces `weight_sum` and calls
 the loss does not depend on how the batch is split over data-parallel ranks.
 
 Memory: the vocabulary-sized work goes through `_VocabRowsLoss`, a custom autograd Function that walks the valid
-rows `cfg.chunk_rows` at a time; its backward recomputes each chunk and applies the closed-form gradients of CE
-and L1 with respect to the logits. Neither pass keeps more than a few C·V tensors alive, however many blocks
-there are (bench/loss_memory.py measures it). `naive=True` is the plain autograd reference over all valid rows
-at once. The frozen LM head (and the target side) never receive a gradient on either path.
+rows `cfg.chunk_rows` at a time and applies the closed-form gradients of CE and L1 with respect to the logits
+(computed during the forward for the usual `total()` loss, recomputed chunk by chunk otherwise). Neither pass
+keeps more than a few C·V tensors alive, however many blocks there are (bench/loss_memory.py measures it).
+`naive=True` is the plain autograd reference over all valid rows at once. The frozen LM head (and the target
+side) never receive a gradient on either path.
 """
 
 from __future__ import annotations
@@ -91,68 +92,107 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor | None) -> Tensor:
     """LM-head logits of some rows, plus the sequential-head bias a @ W2 when given."""
-    z_CV = h_CD @ lm_head_VD.T
-    if a_CR is not None:
-        z_CV = z_CV + a_CR @ w2_RV
+    if a_CR is None:
+        z_CV = h_CD @ lm_head_VD.T
+    else:
+        z_CV = (a_CR @ w2_RV).addmm_(h_CD, lm_head_VD.T)  # in place: one C·V buffer, not three
     return z_CV.to(_acc_dtype(z_CV.dtype))
 
 
-class _VocabRowsLoss(torch.autograd.Function):
-    """Per valid row: (ce_M, l1_M), chunked over rows in forward and backward.
+def _grad_logits(p_CV: Tensor, pt_CV: Tensor, labels_C: Tensor, g_ce_C: Tensor, g_l1_C: Tensor) -> Tensor:
+    """g_ce·(p − y) + g_l1·p⊙(s − <s,p>), s = sign(p − p_t); overwrites p_CV (built in place: few live C·V)."""
+    s_CV = torch.sign(p_CV - pt_CV)
+    s_CV -= (s_CV * p_CV).sum(-1, keepdim=True)
+    grad_z_CV = s_CV.mul_(p_CV).mul_(g_l1_C[:, None])
+    grad_z_CV.add_(p_CV.mul_(g_ce_C[:, None]))
+    return grad_z_CV.scatter_add_(-1, labels_C[:, None], -g_ce_C[:, None])
 
-    Gradient with respect to the draft logits z of one row, with s = sign(p_d − p_t) and y = onehot(label):
-      d ce / dz = p_d − y
-      d l1 / dz = p_d ⊙ (s − <s, p_d>)       (d p_i / d z_j = p_i (δ_ij − p_j), and p_t is a constant)
+
+class _VocabRowsLoss(torch.autograd.Function):
+    """Per valid row: (ce_M, l1_M), chunked over rows; gradients by the closed form in `_grad_logits`:
+      d ce / dz = p_d − y,   d l1 / dz = p_d ⊙ (s − <s, p_d>)   (d p_i/d z_j = p_i (δ_ij − p_j); p_t is constant).
+
+    Two backward strategies, both exact:
+    - fused (the training path): the upstream gradients of ce_M and l1_M are expected to be c·coef_ce·w_M and
+      c·coef_l1·w_M for some scalar c (that is what `LossParts.total` produces: c = 1/global_weight_sum, times any
+      loss scale). The forward then already has p_d and p_t of each chunk in hand, so it computes the gradient
+      for c = 1 right away; backward only scales it. Cost: the same LM-head matmuls as the naive path.
+    - recompute (anything else, e.g. backpropagating ce_sum alone): backward recomputes every chunk's logits.
     """
 
     @staticmethod
-    def forward(ctx, h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, chunk_rows):
-        M = h_MD.shape[0]
-        ce_M = h_MD.new_empty(M, dtype=_acc_dtype(h_MD.dtype))
+    def forward(ctx, h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M, chunk_rows):
+        M, acc = h_MD.shape[0], _acc_dtype(h_MD.dtype)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[4], ctx.needs_input_grad[5])
+        ce_M = h_MD.new_empty(M, dtype=acc)
         l1_M = torch.empty_like(ce_M)
+        grads = _Grads(h_MD, a_MR, w2_RV, need) if any(need) else None
         for lo in range(0, M, chunk_rows):
             c = slice(lo, lo + chunk_rows)
-            z_CV = _logits(h_MD[c], lm_head_VD, None if a_MR is None else a_MR[c], w2_RV)
-            logp_CV = torch.log_softmax(z_CV, dim=-1)
+            a_CR = None if a_MR is None else a_MR[c]
+            logp_CV = torch.log_softmax(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV), dim=-1)
             pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
             ce_M[c] = -logp_CV.gather(-1, labels_M[c, None]).squeeze(-1)
-            l1_M[c] = (logp_CV.exp_() - pt_CV).abs_().sum(-1)
-        ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV)
-        ctx.chunk_rows = chunk_rows
+            p_CV = logp_CV.exp_()
+            l1_M[c] = (p_CV - pt_CV).abs().sum(-1)
+            if grads is not None:
+                grads.add(c, _grad_logits(p_CV, pt_CV, labels_M[c], gw_ce_M[c], gw_l1_M[c]), lm_head_VD, a_CR)
+        ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M)
+        ctx.chunk_rows, ctx.grads = chunk_rows, grads
         return ce_M, l1_M
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_ce_M, g_l1_M):
-        h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV = ctx.saved_tensors
-        need_h, need_a, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
-        M, acc = h_MD.shape[0], _acc_dtype(h_MD.dtype)
-        g_ce_M = torch.zeros(M, device=h_MD.device, dtype=acc) if g_ce_M is None else g_ce_M.to(acc)
-        g_l1_M = torch.zeros(M, device=h_MD.device, dtype=acc) if g_l1_M is None else g_l1_M.to(acc)
-        grad_h = torch.zeros_like(h_MD) if need_h else None
-        grad_a = torch.zeros_like(a_MR) if need_a else None
-        grad_w2 = torch.zeros(w2_RV.shape, device=w2_RV.device, dtype=acc) if need_w2 else None
-        for lo in range(0, M, ctx.chunk_rows):
+        h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None  # scaled in place below: usable once (a second backward recomputes)
+        acc = gw_ce_M.dtype
+        g_ce_M = torch.zeros_like(gw_ce_M) if g_ce_M is None else g_ce_M.to(acc)
+        g_l1_M = torch.zeros_like(gw_l1_M) if g_l1_M is None else g_l1_M.to(acc)
+        # fused path: is the upstream gradient c·(the one the forward assumed)? (least-squares c, then a check)
+        ref = torch.cat([gw_ce_M, gw_l1_M])
+        got = torch.cat([g_ce_M, g_l1_M])
+        norm2 = (ref * ref).sum()
+        scale = (ref * got).sum() / norm2.clamp_min(torch.finfo(acc).tiny)
+        fused = grads is not None and norm2 > 0
+        if fused and torch.allclose(got, scale * ref, rtol=1e-5, atol=1e-7 * float(got.abs().max())):
+            return (*grads.scaled(scale), None, None, None)
+        grads = _Grads(h_MD, a_MR, w2_RV, (ctx.needs_input_grad[0], ctx.needs_input_grad[4],
+                                            ctx.needs_input_grad[5]))
+        for lo in range(0, h_MD.shape[0], ctx.chunk_rows):
             c = slice(lo, lo + ctx.chunk_rows)
             a_CR = None if a_MR is None else a_MR[c]
             p_CV = torch.softmax(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV), dim=-1)
             pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
-            s_CV = torch.sign(p_CV - pt_CV)
-            s_CV -= (s_CV * p_CV).sum(-1, keepdim=True)
-            # grad_z = g_l1·p⊙(s − <s,p>) + g_ce·(p − y), built in place to keep the live C·V tensors few
-            grad_z_CV = s_CV.mul_(p_CV).mul_(g_l1_M[c, None])
-            grad_z_CV.add_(p_CV.mul_(g_ce_M[c, None]))
-            grad_z_CV.scatter_add_(-1, labels_M[c, None], -g_ce_M[c, None])
-            del p_CV, pt_CV
-            if need_h:
-                grad_h[c] = grad_z_CV.to(h_MD.dtype) @ lm_head_VD
-            if need_a:
-                grad_a[c] = grad_z_CV.to(a_MR.dtype) @ w2_RV.T
-            if need_w2:
-                grad_w2 += a_CR.to(acc).T @ grad_z_CV
-        if need_w2:
-            grad_w2 = grad_w2.to(w2_RV.dtype)
-        return grad_h, None, None, None, grad_a, grad_w2, None
+            grads.add(c, _grad_logits(p_CV, pt_CV, labels_M[c], g_ce_M[c], g_l1_M[c]), lm_head_VD, a_CR)
+        return (*grads.scaled(None), None, None, None)
+
+
+class _Grads:
+    """Accumulates d/d(hidden, factor, W2) of the vocabulary terms from per-chunk logit gradients."""
+
+    def __init__(self, h_MD: Tensor, a_MR: Tensor | None, w2_RV: Tensor | None, need: tuple[bool, bool, bool]):
+        self.w2_in_RV = w2_RV
+        self.h_MD = torch.zeros_like(h_MD) if need[0] else None
+        self.a_MR = torch.zeros_like(a_MR) if need[1] else None
+        # W2's gradient sums over every row: accumulate in fp32 (or fp64) whatever W2's dtype
+        self.w2_RV = torch.zeros_like(w2_RV, dtype=_acc_dtype(w2_RV.dtype)) if need[2] else None
+
+    def add(self, c: slice, grad_z_CV: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None) -> None:
+        if self.h_MD is not None:
+            self.h_MD[c] = grad_z_CV.to(self.h_MD.dtype) @ lm_head_VD
+        if self.a_MR is not None:
+            self.a_MR[c] = grad_z_CV.to(self.a_MR.dtype) @ self.w2_in_RV.T
+        if self.w2_RV is not None:
+            self.w2_RV.addmm_(a_CR.to(grad_z_CV.dtype).T, grad_z_CV)  # no R·V temporary
+
+    def scaled(self, scale: Tensor | None) -> tuple[Tensor | None, None, None, None, Tensor | None, Tensor | None]:
+        """(grad_h, -, -, -, grad_a, grad_w2) in the Function's input order, times `scale` when given."""
+        out = [self.h_MD, self.a_MR, None if self.w2_RV is None else self.w2_RV.to(self.w2_in_RV.dtype)]
+        if scale is not None:
+            # a Python float keeps the scale exact in bf16 kernels' fp32 math (a bf16 scale would be off by ~0.4%)
+            out = [None if g is None else g.mul_(float(scale)) for g in out]
+        return out[0], None, None, None, out[1], out[2]
 
 
 def _naive_rows(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV) -> tuple[Tensor, Tensor]:
@@ -215,7 +255,8 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
     if naive:
         ce_M, l1_M = _naive_rows(*rows)
     else:
-        ce_M, l1_M = _VocabRowsLoss.apply(*rows, cfg.chunk_rows)
+        # the upstream gradient LossParts.total() will send, up to 1/global_weight_sum (see _VocabRowsLoss)
+        ce_M, l1_M = _VocabRowsLoss.apply(*rows, cfg.ce_weight * w_M, cfg.tv_weight * w_M, cfg.chunk_rows)
 
     c_star_M = (1.0 - 0.5 * l1_M.detach()).clamp(0.0, 1.0)
     c_star_NK = torch.zeros(valid_NK.shape, device=w_M.device, dtype=w_M.dtype)

@@ -133,10 +133,69 @@ def test_chunked_backward_passes_gradcheck():
     def f(hidden, factor, w2):
         parts = dspark_loss(hidden, x["lm_head"], x["labels"], x["target"], x["valid"], cfg,
                             head_factor_NKR=factor, head_w2_RV=w2)
-        return parts.ce_sum, parts.tv_sum
+        return parts.ce_sum, parts.tv_sum, parts.total(3.0)  # separately: recompute path; total: fused path
 
     args = tuple(x[n].clone().requires_grad_(True) for n in ("hidden", "factor", "w2"))
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("objective", ["total", "ce_only", "mixed", "total_twice"])
+def test_fused_and_recompute_backward_paths(monkeypatch, objective):
+    """total() takes the fused path (no logits recomputed in backward); any other combination of the terms
+    recomputes; both equal the naive gradients."""
+    from draft_model import loss as loss_mod
+
+    cfg = LossConfig(chunk_rows=4, ce_weight=0.2, tv_weight=0.7)
+
+    def objective_of(parts):
+        if objective == "ce_only":
+            return parts.ce_sum
+        if objective == "mixed":
+            return 3.0 * parts.ce_sum - 0.5 * parts.tv_sum
+        return parts.total(torch.tensor(17.0, dtype=torch.float64)) * 1024.0  # global denominator, loss scale
+
+    calls, real_logits = [], loss_mod._logits
+    monkeypatch.setattr(loss_mod, "_logits", lambda *a: calls.append(1) or real_logits(*a))
+    grads = {}
+    for naive in (True, False):
+        x = make_inputs(seed=13, lengths=(5, 3, 0, 4))
+        parts = run(x, cfg, naive=naive, grads=True)
+        calls.clear()  # count the LM-head matmuls of the backward only
+        loss = objective_of(parts)
+        if objective == "total_twice":  # the fused gradient is used once; a second backward must recompute
+            loss.backward(retain_graph=True)
+            for name in ("hidden", "factor", "w2", "conf"):
+                x[name].grad = None
+        loss.backward()
+        if not naive:
+            assert bool(calls) == (objective != "total"), calls
+        grads[naive] = {n: x[n].grad for n in ("hidden", "factor", "w2")}
+    for n in grads[True]:
+        torch.testing.assert_close(grads[False][n], grads[True][n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_bf16_inputs_chunked_close_to_naive():
+    """bf16 activations (the GPU setting): softmax/CE in fp32 on both paths, results in fp32, grads in bf16."""
+    grads, totals = {}, {}
+    for naive in (True, False):
+        x = make_inputs(seed=15, dtype=torch.bfloat16)
+        parts = run(x, LossConfig(chunk_rows=4), naive=naive, grads=True)
+        assert parts.ce_sum.dtype == torch.float32
+        totals[naive] = parts.total()
+        totals[naive].backward()
+        grads[naive] = {n: x[n].grad for n in ("hidden", "factor", "w2")}
+        assert all(g.dtype == torch.bfloat16 for g in grads[naive].values())
+    assert totals[False].item() == pytest.approx(totals[True].item(), rel=1e-5)
+    for n in grads[True]:
+        torch.testing.assert_close(grads[False][n].float(), grads[True][n].float(), rtol=2e-2, atol=1e-3, msg=n)
+
+
+def test_no_grad_forward_matches():
+    x = make_inputs(seed=14)
+    with torch.no_grad():
+        a = run(x, LossConfig(chunk_rows=2)).total()
+    b = run(x, LossConfig(chunk_rows=2), naive=True).total()
+    assert a.item() == pytest.approx(b.item(), rel=1e-12) and not a.requires_grad
 
 
 @pytest.mark.parametrize("naive", [True, False])
