@@ -41,6 +41,7 @@ class FeatureBatch:
     seq_start_S1: torch.Tensor  # int64 [S+1]
     ctx_feats_TF: torch.Tensor  # wire dtype [T, F]: hidden states of DraftConfig.target_layers, concatenated
     final_hidden_TD: torch.Tensor  # wire dtype [T, D]: pre-LM-head hidden state (post final norm)
+    ctx_is_final: bool = False  # context layers == [final]: ctx_feats_TF is [T, 0] on the wire, final sent once
 
     def __post_init__(self) -> None:
         T = self.input_ids_T.shape[0]
@@ -60,12 +61,12 @@ class FeatureBatch:
 
     def decode(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> FeatureBatch:
         """The one place wire features become compute tensors; rejects non-finite features by name."""
-        ctx = self.ctx_feats_TF.to(device=device, dtype=dtype)
         fin = self.final_hidden_TD.to(device=device, dtype=dtype)
+        ctx = fin if self.ctx_is_final else self.ctx_feats_TF.to(device=device, dtype=dtype)
         for name, t in (("context features", ctx), ("final hidden states", fin)):
             if not torch.isfinite(t).all():
                 bad = (~torch.isfinite(t)).any(dim=-1).nonzero().flatten()[:5].tolist()
                 raise ValueError(f"non-finite target {name} in batch {self.batch_index} (token rows {bad}, "
                                  f"samples {list(self.sample_ids)[:5]}...): the target produced NaN/Inf")
         return FeatureBatch(self.batch_index, self.sample_ids, self.input_ids_T.to(device),
-                            self.loss_mask_T.to(device), self.seq_start_S1.to(device), ctx, fin)
+                            self.loss_mask_T.to(device), self.seq_start_S1.to(device), ctx, fin, ctx_is_final=False)

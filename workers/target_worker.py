@@ -19,7 +19,14 @@ import ray
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
-from pipeline.target_model import capture_features, embedding_weights, load_target, target_dims, validate_layers
+from pipeline.target_model import (
+    FINAL_HIDDEN,
+    capture_features,
+    embedding_weights,
+    load_target,
+    target_dims,
+    validate_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ class TargetWorker:
             self.model.to(device or "cpu")
         self.input_device = self.model.get_input_embeddings().weight.device
         self.layers = list(layers)
+        self.ctx_is_final = self.layers == [FINAL_HIDDEN]
         validate_layers(self.layers, target_dims(self.model)[2])
         self.max_tokens_per_forward = max_tokens_per_forward
 
@@ -77,6 +85,13 @@ class TargetWorker:
         embed, head = embedding_weights(self.model)
         embed_cpu = embed.detach().cpu()
         return embed_cpu, (embed_cpu if head is embed else head.detach().cpu())
+
+    def generate(self, prompts: list[list[int]], params, seed: int) -> list:
+        """The target's replies to rendered prompts (the data stage's regeneration; see pipeline/regenerate.py):
+        one Generation (new token ids, finished) per prompt."""
+        from pipeline.regenerate import generate_batch
+
+        return generate_batch(self.model, self.tokenizer, prompts, params, seed)
 
     def encode(self, batch_index: int, samples: list[TokenizedSample]) -> FeatureBatch:
         """Features of `samples` (kept in the given order) as one dense FeatureBatch in the wire dtype."""
@@ -99,7 +114,8 @@ class TargetWorker:
             ctx_BLF, final_BLD = capture_features(self.model, ids_BL.to(self.input_device),
                                                   mask_BL.to(self.input_device), self.layers)
             for b, i in enumerate(group):
-                ctx_parts[i] = ctx_BLF[b, :lengths[i]].to("cpu", self.wire_dtype)
+                if not self.ctx_is_final:
+                    ctx_parts[i] = ctx_BLF[b, :lengths[i]].to("cpu", self.wire_dtype)
                 fin_parts[i] = final_BLD[b, :lengths[i]].to("cpu", self.wire_dtype)
         seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
         seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
@@ -109,7 +125,10 @@ class TargetWorker:
             input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
             loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
             seq_start_S1=seq_start_S1,
-            ctx_feats_TF=torch.cat(ctx_parts, dim=0),
+            # context == final hidden (DSpark-V4): ship it once; FeatureBatch.decode restores the view
+            ctx_feats_TF=(torch.empty(sum(lengths), 0, dtype=self.wire_dtype) if self.ctx_is_final
+                          else torch.cat(ctx_parts, dim=0)),
+            ctx_is_final=self.ctx_is_final,
             final_hidden_TD=torch.cat(fin_parts, dim=0),
         )
 

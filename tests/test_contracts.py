@@ -1,0 +1,44 @@
+"""Process messages: FeatureBatch validation, the one decode path (dtype, NaN rejection, final-as-context).
+
+Run: python -m pytest tests/test_contracts.py -q
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.contracts import FeatureBatch, TokenizedSample
+
+
+def _fb(T=5, F=8, D=4, ctx_is_final=False, nan=False):
+    fin = torch.randn(T, D).to(torch.bfloat16)
+    if nan:
+        fin[3, 1] = float("nan")
+    ctx = torch.empty(T, 0, dtype=torch.bfloat16) if ctx_is_final else torch.randn(T, F).to(torch.bfloat16)
+    return FeatureBatch(7, (11, 12), torch.arange(T), torch.ones(T, dtype=torch.bool), torch.tensor([0, 2, T]),
+                        ctx, fin, ctx_is_final=ctx_is_final)
+
+
+def test_decode_converts_once_and_restores_final_as_context():
+    fb = _fb(ctx_is_final=True)
+    out = fb.decode(torch.float32)
+    assert out.ctx_feats_TF.dtype == torch.float32 and torch.equal(out.ctx_feats_TF, out.final_hidden_TD)
+    assert torch.equal(out.final_hidden_TD, fb.final_hidden_TD.float())
+    # on the wire, the final state travels once: 2 bytes x D per token, no context copy
+    assert fb.nbytes() == _fb(ctx_is_final=False).nbytes() - 5 * 8 * 2
+
+
+def test_decode_rejects_non_finite_features_by_name():
+    with pytest.raises(ValueError, match=r"non-finite target final hidden states in batch 7 \(token rows \[3\]"):
+        _fb(nan=True).decode(torch.float32)
+
+
+def test_inconsistent_messages_are_rejected():
+    with pytest.raises(ValueError, match="token count"):
+        FeatureBatch(0, (1,), torch.arange(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 4]),
+                     torch.zeros(3, 2), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="seq_start"):
+        FeatureBatch(0, (1, 2), torch.arange(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 4]),
+                     torch.zeros(4, 2), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="equal-length"):
+        TokenizedSample(0, np.arange(4), np.ones(3, dtype=bool))
