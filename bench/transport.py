@@ -51,7 +51,8 @@ def main() -> None:
     print(f"{'hidden states (measured)':34}{per_token:>22.1f}")
     print(f"{'full logits, bf16 (V*2)':34}{logits:>22.1f}")
     print(f"steps {len(records)}, trained tokens {trained:.0f}, bytes received {wire:.0f}")
-    print(f"bytes_per_trained_token hidden={per_token:.1f} logits={logits} ratio logits/hidden={logits / per_token:.1f}x")
+    print(f"bytes_per_trained_token hidden={per_token:.1f} logits={logits} "
+          f"ratio logits/hidden={logits / per_token:.1f}x")
 
 
 if __name__ == "__main__":
