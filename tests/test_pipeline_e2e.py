@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import LAUNCH, REPO, TINY_MOE, LoopbackHead, quiet_env, run_launch
 from safetensors import safe_open
 
 from pipeline.metrics import read_jsonl_metrics
-from launch_helpers import LAUNCH, REPO, TINY_MOE, LoopbackHead, quiet_env, run_launch
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
