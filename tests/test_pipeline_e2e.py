@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from launch_helpers import LAUNCH, REPO, TINY_MOE, LoopbackHead, quiet_env, run_launch
 from safetensors import safe_open
 
@@ -47,6 +48,16 @@ def test_tiny_moe_target_trains_and_checkpoints(tmp_path):
     assert keys and not any("frozen" in k for k in keys), keys  # the target's embedding/LM head are not exported
     cfg = json.loads((run_dir / "export" / "config.json").read_text())
     assert cfg["draft"]["hidden_size"] == 64 and cfg["draft"]["vocab_size"] == 49152
+    # the export loads back onto the target's frozen embedding/LM head, weight for weight
+    from pipeline.target_model import embedding_weights, load_target
+    from workers.checkpoint import load_exported_draft
+    from workers.orchestrate import resolve_target_path
+
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
+    with safe_open(str(run_dir / "export" / "model.safetensors"), "pt") as f:
+        for k, v in draft.state_dict().items():
+            assert torch.equal(f.get_tensor(k), v.float()), k
 
 
 @pytest.fixture(scope="module")

@@ -109,3 +109,22 @@ def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], ou
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def load_exported_draft(export_dir: str | Path, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> torch.nn.Module:
+    """Rebuild a draft written by `export_draft` on the target's frozen embedding and LM head (eval mode)."""
+    from safetensors.torch import load_file
+
+    from draft_model.registry import build_draft
+    from pipeline.config import config_from_dict
+
+    d = Path(export_dir)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{d} is not an exported draft (needs config.json and model.safetensors)")
+    meta = json.loads((d / "config.json").read_text())
+    cfg = config_from_dict({"draft": meta["draft"]}).draft
+    model = build_draft(cfg, embed_VD, lm_head_VD)
+    missing, unexpected = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{d}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model.eval()
