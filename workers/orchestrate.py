@@ -67,6 +67,7 @@ def load_samples(cfg: RunConfig, target_path: Path) -> list:
     from transformers import AutoTokenizer
 
     from pipeline.corpus import default_corpus, load_jsonl_corpus
+    from pipeline.data_stage import load_parquet_corpus
 
     if target_path.is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(target_path.parent), gguf_file=target_path.name)
@@ -75,6 +76,8 @@ def load_samples(cfg: RunConfig, target_path: Path) -> list:
     try:
         if cfg.data.source == "default":
             samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)
+        elif cfg.data.source.endswith(".parquet") or Path(cfg.data.source).is_dir():  # launch/prepare_data.py output
+            samples = load_parquet_corpus(cfg.data.source, max_len=cfg.data.max_len, num_samples=cfg.data.num_samples)
         else:
             samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len)[:cfg.data.num_samples]
     except (ValueError, FileNotFoundError) as e:

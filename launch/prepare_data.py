@@ -1,0 +1,143 @@
+"""Data stage: prompts -> chat-rendered token ids + loss masks (optionally with the target's own replies) -> Parquet.
+
+Render existing conversations (no model needed, only its tokenizer):
+    python launch/prepare_data.py --input prompts.jsonl --target smollm2 --out data/chat
+Regenerate the replies with the target (in this process; add --ray [--num-workers N] to use TargetWorker actors):
+    python launch/prepare_data.py --input prompts.jsonl --target smollm2 --out data/regen --regenerate \
+        --temperature 0.8 --top-p 0.95 --max-new-tokens 256 --batch-size 8 --max-len 1024
+Re-running the same command resumes an interrupted run. Train on the result with `data.source=data/regen`.
+
+Exit status: 0 on success, 2 for bad arguments or input (one clear line on stderr), 1 for a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python launch/prepare_data.py` puts launch/ first, not the repo
+    sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True,
+                   help=".jsonl/.json/.parquet files (concatenated in order) or one hub dataset name")
+    p.add_argument("--split", default="train", help="split of a hub dataset (default: %(default)s)")
+    p.add_argument("--target", default="smollm2",
+                   help="'smollm2' (the bundled SmolLM2-135M-Instruct), a model directory or a .gguf file")
+    p.add_argument("--out", required=True, help="output directory (Parquet shards, progress.json, stats.json)")
+    p.add_argument("--max-len", type=int, default=1024, help="longer rows are dropped, never truncated")
+    p.add_argument("--shard-size", type=int, default=256, help="input records per output shard (resume unit)")
+    g = p.add_argument_group("regeneration")
+    g.add_argument("--regenerate", action="store_true", help="replace every reply by the target's own")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="replies not finished by then are dropped")
+    g.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (1 = batch-independent)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="", help="target compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--ray", action="store_true", help="generate in TargetWorker Ray actors (RAY_ADDRESS or local)")
+    g.add_argument("--num-workers", type=int, default=1, help="target worker actors with --ray")
+    g.add_argument("--gpus-per-worker", type=float, default=-1, help="with --ray; default: 1 if a GPU is visible")
+    return p.parse_args(argv)
+
+
+def resolve_target(name: str) -> Path:
+    from pipeline.target_model import smollm2_path
+
+    if name == "smollm2":
+        return smollm2_path()
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"target {path} does not exist (give 'smollm2', a model directory or a .gguf file)")
+    return path
+
+
+def load_tokenizer(target: Path):
+    from transformers import AutoTokenizer
+
+    if target.is_file():
+        return AutoTokenizer.from_pretrained(str(target.parent), gguf_file=target.name)
+    return AutoTokenizer.from_pretrained(str(target))
+
+
+def make_generator(args: argparse.Namespace, target: Path):
+    import torch
+
+    from pipeline.regenerate import LocalGenerator, RayGenerator
+
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    if not args.ray:
+        from pipeline.target_model import load_target
+        from workers.target_worker import as_dtype
+
+        model, tokenizer = load_target(target, dtype=as_dtype(dtype))
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        return LocalGenerator(model, tokenizer), None
+    import ray
+
+    from workers.target_worker import start_target_actor
+
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    runtime_env = None if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else {"env_vars": {"PYTHONPATH": pythonpath}}
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=runtime_env,
+             **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
+    gpus = args.gpus_per_worker if args.gpus_per_worker >= 0 else (1 if ray.cluster_resources().get("GPU") else 0)
+    actors = [start_target_actor(target, [-1], num_gpus=gpus, compute_dtype=dtype)
+              for _ in range(args.num_workers)]
+    return RayGenerator(actors), actors
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    from pipeline.prepare import run_data_stage
+    from pipeline.regenerate import GenParams
+
+    try:
+        if args.num_workers < 1:
+            raise ValueError(f"--num-workers must be >= 1, got {args.num_workers}")
+        target = resolve_target(args.target)
+        tokenizer = load_tokenizer(target)
+        params = (GenParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+                  if args.regenerate else None)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    generator = actors = None
+    t0 = time.time()
+    try:
+        if params is not None:
+            generator, actors = make_generator(args, target)
+        stats = run_data_stage(args.input, tokenizer, args.out, max_len=args.max_len, params=params,
+                               generator=generator, batch_size=args.batch_size, shard_size=args.shard_size,
+                               target=str(target), split=args.split, progress_bar=True)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a failed run: one clear line (the traceback went to the log for worker errors)
+        print(f"error: data stage failed: {e!r}", file=sys.stderr)
+        return 1
+    finally:
+        if actors is not None:
+            import ray
+
+            ray.shutdown()
+    dt = time.time() - t0
+    dropped = ", ".join(f"{k} {v}" for k, v in stats["dropped"].items() if v) or "none"
+    print(f"data stage: {stats['records']} records -> {stats['rows']} rows ({stats['tokens']} tokens, "
+          f"{stats['trained_tokens']} trained) in {dt:.1f}s; dropped {stats['dropped_total']} ({dropped}); "
+          f"output {Path(args.out).resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
