@@ -40,11 +40,26 @@ def _v4() -> DraftConfig:
                        head="markov", head_rank=256, confidence=True, target_layers=[FINAL_HIDDEN], **_ATTN)
 
 
+def _eagle3() -> DraftConfig:
+    # EAGLE-3 baseline (draft_model/eagle3.py): one decoder layer, trained with the training-time test over the
+    # same γ = 7 slots; fed low/middle/high target layers when the target depth is known (eagle3_layers).
+    return DraftConfig(arch="eagle3", block_size=7, num_layers=1, ffn="dense", residual="plain",
+                       sliding_window=0, head="none", confidence=True, **_ATTN)
+
+
+def eagle3_layers(num_target_layers: int) -> list[int]:
+    """EAGLE-3's low/middle/high features: HF hidden-state indices 2, L//2 and L-3, kept inside 1..L for
+    shallow (test) targets."""
+    L = num_target_layers
+    return sorted(min(max(i, 1), L) for i in (2, L // 2, L - 3))
+
+
 PRESETS: dict[str, Callable[[], DraftConfig]] = {
     "dflash": _dflash,
     "dspark-markov": _dspark_markov,
     "dspark-rnn": _dspark_rnn,
     "v4": _v4,
+    "eagle3": _eagle3,
 }
 _MULTI_LAYER_CONTEXT = ("dflash", "dspark-markov", "dspark-rnn")
 
@@ -52,10 +67,12 @@ _MULTI_LAYER_CONTEXT = ("dflash", "dspark-markov", "dspark-rnn")
 def draft_preset(name: str, num_target_layers: int | None = None) -> DraftConfig:
     """A fresh DraftConfig for `name`. With `num_target_layers`, the DFlash-style presets take their context from
     one target layer per draft layer, evenly spaced from 1 to L-3 (DFlash's default); without it they read the
-    final hidden state only."""
+    final hidden state only. "eagle3" takes layers 2, L//2 and L-3 (low, middle, high)."""
     if name not in PRESETS:
         raise ValueError(f"unknown draft preset {name!r}; valid presets: {sorted(PRESETS)}")
     cfg = PRESETS[name]()
     if num_target_layers is not None and name in _MULTI_LAYER_CONTEXT:
         cfg.target_layers = evenly_spaced_layers(num_target_layers, cfg.num_layers)
+    if num_target_layers is not None and name == "eagle3":
+        cfg.target_layers = eagle3_layers(num_target_layers)
     return cfg
