@@ -64,7 +64,7 @@ class TrainConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     grad_accum: int = 1
     zero_stage: int = 2
     precision: str = "fp32"  # "fp32" | "bf16"

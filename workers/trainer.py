@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -89,6 +90,35 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], decay_lambda: float,
+                   world: int) -> tuple[dict[str, float], float]:
+    """One optimizer step over this rank's micro-batches (DeepSpeed steps the optimizer after the last one).
+
+    The denominator Σw over every rank's micro-batches is known before any forward (it depends only on the
+    valid masks); each micro-batch's loss is scaled by world·grad_accum/Σw, undoing DeepSpeed's averaging, so the
+    update is the gradient of (Σ numerators)/(Σ w) over the global batch. Returns this rank's metric sums and Σw.
+    """
+    local_w = sum(float(position_weights(bb.valid_NK, decay_lambda).sum()) for bb, _, _ in micro)
+    (global_w,) = _all_reduce_sum([local_w])
+    scale = world * len(micro)
+    acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks"),
+                        0.0)
+    for bb, stats, wire_bytes in micro:
+        parts = engine(bb)
+        loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
+        engine.backward(loss)
+        engine.step()
+        blocks = int(bb.valid_NK.any(-1).sum())
+        for key, value in (("ce", parts.ce_sum.item()), ("tv", parts.tv_sum.item()),
+                           ("conf", parts.conf_sum.item()), ("aux", parts.aux_loss.item()),
+                           ("trained", int(bb.valid_NK.sum())), ("wire", wire_bytes),
+                           ("useful", stats.useful_block_tokens), ("computed", stats.computed_block_tokens),
+                           ("tau_sum", expected_tau(parts.c_star_NK, bb.valid_NK).item() * blocks if blocks else 0.0),
+                           ("blocks", blocks)):
+            acc[key] += value
+    return acc, global_w
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
     """Ray Train entry point: one call per trainer rank."""
     import deepspeed
@@ -117,7 +147,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     start_step = 0
     resume = loop_config.get("resume_from")
     if resume:
-        meta = ckpts.load(engine, __import__("pathlib").Path(resume), rank)
+        meta = ckpts.load(engine, Path(resume), rank)
         start_step = int(meta["step"])
         log.info("resumed from %s at step %d", resume, start_step)
 
@@ -154,24 +184,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             micro.append((bb.to(device), stats, wire_bytes))
         t_data = time.time() - t0
 
-        local_w = sum(float(position_weights(bb.valid_NK, cfg.loss.decay_lambda).sum()) for bb, _, _ in micro)
-        (global_w,) = _all_reduce_sum([local_w])
-        scale = world * cfg.train.grad_accum
-        acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum",
-                             "blocks"), 0.0)
-        for bb, stats, wire_bytes in micro:
-            parts = engine(bb)
-            loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
-            engine.backward(loss)
-            engine.step()
-            blocks = int(bb.valid_NK.any(-1).sum())
-            for key, value in (("ce", parts.ce_sum.item()), ("tv", parts.tv_sum.item()),
-                               ("conf", parts.conf_sum.item()), ("aux", parts.aux_loss.item()),
-                               ("trained", int(bb.valid_NK.sum())), ("wire", wire_bytes),
-                               ("useful", stats.useful_block_tokens), ("computed", stats.computed_block_tokens),
-                               ("tau_sum", expected_tau(parts.c_star_NK, bb.valid_NK).item() * blocks if blocks
-                                else 0.0), ("blocks", blocks)):
-                acc[key] += value
+        acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
         ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = _all_reduce_sum(list(acc.values()))
         for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
             if not math.isfinite(value):

@@ -1,0 +1,83 @@
+"""One DeepSpeed optimizer step with gradient accumulation equals the gradient of the whole batch's loss,
+(Σ numerators)/(Σ position weights): the trainer's loss scaling undoes DeepSpeed's GAS division exactly.
+
+Run: python -m pytest tests/test_trainer_step.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+from draft_fixtures import dense_cfg, frozen_weights, make_batch
+
+from draft_model.config import LossConfig
+from draft_model.loss import output_loss
+from draft_model.registry import build_draft
+from pipeline.packing import PackStats
+from workers.trainer import DraftWithLoss, optimizer_step
+
+
+@pytest.fixture(scope="module")
+def single_rank_env():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _stats(bb) -> PackStats:
+    n, k = bb.valid_NK.shape
+    return PackStats(sample_ids=(), sequences_dropped=0, tokens=bb.input_ids_T.shape[0], blocks=n, block_size=k,
+                     useful_block_tokens=int(bb.valid_NK.sum()))
+
+
+def test_grad_accum_step_is_the_global_batch_gradient(single_rank_env):
+    import deepspeed
+
+    torch.manual_seed(0)
+    cfg, loss_cfg = dense_cfg(block_size=4), LossConfig(chunk_rows=5)
+    embed, head = frozen_weights()
+    # two micro-batches of different sizes and validity, so unequal weight sums would expose a wrong scaling
+    b1 = make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1)
+    b2 = make_batch([15], [(0, 2), (0, 6), (0, 12), (0, 13)], 4, feat_width=32, seed=2)
+    module = DraftWithLoss(build_draft(cfg, embed, head), loss_cfg)
+    reference = copy.deepcopy(module)
+
+    # reference: plain autograd on the whole batch's loss
+    parts = [output_loss(reference.draft(b), head, reference.draft.head_w2(), b.labels_NK(),
+                         b.final_hidden_TD[b.target_index_NK()], b.valid_NK, loss_cfg) for b in (b1, b2)]
+    total_w = sum(p.weight_sum for p in parts)
+    loss = sum(loss_cfg.ce_weight * p.ce_sum + loss_cfg.tv_weight * p.tv_sum + loss_cfg.conf_weight * p.conf_sum
+               for p in parts) / total_w
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+    # DeepSpeed, grad_accum 2, plain SGD with lr 1: the update is minus the accumulated gradient
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    opt = torch.optim.SGD(module.parameters(), lr=1.0)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0, "steps_per_print": 10 ** 9})  # DeepSpeed clips at 1.0 unless told otherwise
+    acc, global_w = optimizer_step(engine, [(b1, _stats(b1), 0), (b2, _stats(b2), 0)], loss_cfg.decay_lambda,
+                                   world=1)
+    assert global_w == pytest.approx(float(total_w), rel=1e-6)
+    assert engine.global_steps == 1
+    for n, p in engine.module.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert acc["trained"] == int(b1.valid_NK.sum() + b2.valid_NK.sum())
