@@ -95,15 +95,8 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
     return run_dir / "export"
 
 
-def make_drafter(model, name: str):
-    from pipeline import evaluate
-
-    adapter = getattr(evaluate, "Eagle3Drafter", None) if name == "eagle3" else None
-    return (adapter or evaluate.DSparkDrafter)(model, name=name)
-
-
 def stage_eval(work: Path, exports: dict[str, Path], s: dict, log) -> list[dict]:
-    from pipeline.evaluate import evaluate
+    from pipeline.evaluate import evaluate, make_drafter
     from pipeline.prompt_sets import EVAL_SETS
     from pipeline.report import write_report
     from pipeline.target_model import embedding_weights, load_target, smollm2_path

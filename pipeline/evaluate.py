@@ -36,7 +36,8 @@ from draft_model.sampling import ACCEPTED, NOT_REACHED
 from pipeline.report import expected_calibration_error, roc_auc
 from pipeline.target_model import FINAL_HIDDEN, target_dims, validate_layers
 
-__all__ = ["DecodeContext", "Drafter", "DSparkDrafter", "RoundLog", "TargetSession", "encode_prompt", "evaluate",
+__all__ = ["DecodeContext", "Drafter", "DSparkDrafter", "Eagle3Drafter", "make_drafter", "RoundLog", "TargetSession",
+           "encode_prompt", "evaluate",
            "generate"]
 
 
@@ -208,6 +209,24 @@ class DSparkDrafter:
             prev_embed_KR = torch.stack(embeds) if embeds else None
             conf_K = torch.sigmoid(m.confidence_logit(hidden_KD, prev_embed_KR).float())
         return tokens_K, probs_KV, conf_K
+
+
+class Eagle3Drafter(DSparkDrafter):
+    """An `draft_model.eagle3.Eagle3Draft` as a Drafter: chain drafting over the same one-block batch."""
+
+    @torch.no_grad()
+    def propose(self, ctx: DecodeContext, anchor_token: int, temperature: float,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        window, p = self.model.cfg.sliding_window, ctx.ids_L.shape[0]
+        batch = self.block_batch(ctx, anchor_token, start=max(0, p - window) if window > 0 else 0)
+        out = self.model.draft_steps(batch, temperature, generator)
+        return out.tokens_NK[0], out.probs_NKV[0], None if out.conf_NK is None else out.conf_NK[0]
+
+
+def make_drafter(model: nn.Module, name: str | None = None) -> Drafter:
+    """The Drafter for a trained draft of any registered architecture."""
+    name = name or model.cfg.arch
+    return Eagle3Drafter(model, name) if hasattr(model, "draft_steps") else DSparkDrafter(model, name)
 
 
 # ---- decoding and metrics ----------------------------------------------------------------------------------

@@ -19,7 +19,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_model import sampling
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
-from pipeline.evaluate import DecodeContext, DSparkDrafter, TargetSession, evaluate, generate
+from pipeline.evaluate import (
+    DecodeContext,
+    DSparkDrafter,
+    Eagle3Drafter,
+    TargetSession,
+    evaluate,
+    generate,
+    make_drafter,
+)
 from pipeline.report import expected_calibration_error, roc_auc, write_report
 from pipeline.target_model import capture_features, embedding_weights
 
@@ -264,10 +272,12 @@ def _tiny_draft(target, preset: str, **overrides):
 
 @pytest.mark.parametrize("preset,overrides", [("dspark-markov", {"target_layers": [1, -1]}),
                                               ("dspark-rnn", {"sliding_window": 4}),
-                                              ("dflash", {})])
+                                              ("dflash", {}),
+                                              ("eagle3", {"target_layers": [0, 1, -1]})])
 def test_draft_model_end_to_end(preset, overrides):
     target = tiny_llama(seed=4)
-    drafter = DSparkDrafter(_tiny_draft(target, preset, **overrides), name=preset)
+    drafter = make_drafter(_tiny_draft(target, preset, **overrides), name=preset)
+    assert isinstance(drafter, Eagle3Drafter) == (preset == "eagle3")
     prompts = {"d": [[2, 9, 4, 4], [17, 3, 8]]}
     greedy = evaluate(target, None, drafter, prompts, 0.0, 16, seed=0, eos_token_ids=NO_EOS)
     for p, g in zip(prompts["d"], greedy["generations"]["d"]):
