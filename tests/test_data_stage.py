@@ -172,9 +172,15 @@ def test_generation_is_seeded_and_batch_one_is_independent_of_the_batch(tok, tin
     a = generate_batch(model, tok, prompts, PARAMS, seed=11)
     assert a == generate_batch(model, tok, prompts, PARAMS, seed=11)
     assert a != generate_batch(model, tok, prompts, PARAMS, seed=12)
+    # Greedy: left padding changes nothing. (Without the stop bias, else greedy always stops at once.)
     greedy = GenParams(temperature=0.0, max_new_tokens=4)
-    one = [generate_batch(model, tok, [p], greedy, seed=0)[0] for p in prompts]
-    assert generate_batch(model, tok, prompts, greedy, seed=99) == one  # greedy: left padding changes nothing
+    bias, model.generation_config.sequence_bias = model.generation_config.sequence_bias, None
+    try:
+        one = [generate_batch(model, tok, [p], greedy, seed=0)[0] for p in prompts]
+        assert generate_batch(model, tok, prompts, greedy, seed=99) == one
+    finally:
+        model.generation_config.sequence_bias = bias
+    assert [len(g.token_ids) for g in one] == [4, 4] and len(set(one[0].token_ids + one[1].token_ids)) > 2
 
 
 def test_target_worker_generate_matches_in_process(tok, tiny, tiny_dir):
