@@ -32,9 +32,9 @@ from pipeline.metrics import get_logger  # noqa: E402
 SCALES = {
     # prompts regenerated, reply budget, row length, training steps, eval prompts per set, eval reply budget
     "cpu": dict(train_prompts=300, regen_max_new=160, max_len=384, steps=120, eval_prompts=6, eval_max_new=64,
-                draft_layers=1, samples_per_batch=2, anchors_per_seq=32, trainers=2, use_gpu=False),
+                draft_layers=1, samples_per_batch=2, anchors_per_seq=32, trainers=2, use_gpu=False, regen_workers=2),
     "gpu": dict(train_prompts=6000, regen_max_new=512, max_len=1024, steps=3000, eval_prompts=40, eval_max_new=256,
-                draft_layers=2, samples_per_batch=8, anchors_per_seq=64, trainers=1, use_gpu=True),
+                draft_layers=2, samples_per_batch=8, anchors_per_seq=64, trainers=1, use_gpu=True, regen_workers=1),
 }
 GAMMA = 7  # the paper's comparison setting (block 7, τ counting the bonus token)
 DRAFTERS = {
@@ -58,7 +58,9 @@ def stage_data(work: Path, s: dict, log) -> Path:
         prompts.write_text("".join(json.dumps(r) + "\n" for r in training_prompts(s["train_prompts"], seed=0)))
     cmd = [sys.executable, str(REPO / "launch" / "prepare_data.py"), "--input", str(prompts), "--out", str(out),
            "--target", "smollm2", "--max-len", str(s["max_len"]), "--regenerate", "--temperature", "0.8",
-           "--top-p", "0.95", "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", "8", "--shard-size", "64"]
+           "--top-p", "0.95", "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", "8", "--shard-size", "64",
+           # one target worker per core (each single-threaded) beats one process with all threads on a busy CPU
+           "--ray", "--num-workers", str(s["regen_workers"])]
     log.info("data: regenerating %d replies with the target", s["train_prompts"])
     subprocess.run(cmd, cwd=REPO, check=True)
     return out

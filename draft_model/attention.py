@@ -47,7 +47,9 @@ class AttnContext:
         return AttnContext(ctx_TD, pos_T, index_NW, slot_pos_NK, mask)
 
 
-class ContextBlockAttention(nn.Module):
+class GQAProjections(nn.Module):
+    """Query/key/value/output projections with grouped KV heads and RoPE, shared by the draft attentions."""
+
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         D, E = cfg.hidden_size, cfg.resolved_head_dim
@@ -58,6 +60,8 @@ class ContextBlockAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * E, D, bias=False)
         self.rope = RotaryEmbedding(E, cfg.rope_theta)
 
+
+class ContextBlockAttention(GQAProjections):
     def forward(self, x_NKD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         N, K, _ = x_NKD.shape
         H, G, E = self.num_heads, self.num_kv_heads, self.head_dim

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from draft_model.attention import GQAProjections
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.ffn import SwiGLU
 from draft_model.layers import token_positions_T
-from draft_model.model import DraftOutput, _resolve_cfg  # the shared size/shape checks
+from draft_model.model import DraftOutput, register_frozen_target_weights, resolve_cfg
 from draft_model.registry import register_draft
-from draft_model.rope import RotaryEmbedding
 from draft_model.sampling import probs_at_temperature
 
 
@@ -62,23 +62,13 @@ class _Context:
     pos0_N: torch.Tensor  # int64 position p-1 of step 0
 
 
-class _StepAttention(nn.Module):
+class _StepAttention(GQAProjections):
     """Causal GQA attention for one new query per block over [context keys ; the block's earlier steps].
 
     The two key sets are scored separately and share one softmax, so the (large) gathered context K/V is never
     concatenated with the step keys: a per-step concatenation would copy N*W*G*E values γ times and keep each copy
     alive for the backward.
     """
-
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        D, E = cfg.hidden_size, cfg.resolved_head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, E
-        self.q_proj = nn.Linear(D, cfg.num_heads * E, bias=False)
-        self.k_proj = nn.Linear(D, cfg.num_kv_heads * E, bias=False)
-        self.v_proj = nn.Linear(D, cfg.num_kv_heads * E, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * E, D, bias=False)
-        self.rope = RotaryEmbedding(E, cfg.rope_theta)
 
     def keys_values(self, x_LD: torch.Tensor, pos_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [L, G, E] of normed inputs x at positions pos (any leading shape L)."""
@@ -104,7 +94,7 @@ class _StepAttention(nn.Module):
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
         super().__init__()
-        cfg = _resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
+        cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
         unsupported = {"num_layers": (cfg.num_layers, 1), "ffn": (cfg.ffn, "dense"),
                        "residual": (cfg.residual, "plain"), "head": (cfg.head, "none")}
         for name, (got, want) in unsupported.items():
@@ -113,12 +103,7 @@ class Eagle3Draft(nn.Module):
                 # heads and MoE/mHC belong to DSpark, and mixing them in would blur the baseline
                 raise ValueError(f"eagle3 drafts need draft.{name}={want!r}, got {got!r}")
         self.cfg = cfg
-        tied = lm_head_weight_VD is embed_weight_VD or (
-            lm_head_weight_VD.data_ptr() == embed_weight_VD.data_ptr()
-            and lm_head_weight_VD.stride() == embed_weight_VD.stride())
-        embed = embed_weight_VD.detach()
-        self.register_buffer("frozen_embed_VD", embed, persistent=False)
-        self.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_weight_VD.detach(), persistent=False)
+        register_frozen_target_weights(self, embed_weight_VD, lm_head_weight_VD)
 
         D = cfg.hidden_size
         self.ctx_width = len(cfg.target_layers) * D

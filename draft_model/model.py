@@ -31,7 +31,8 @@ class DraftOutput:
     aux_loss: torch.Tensor  # scalar MoE balance loss (0 when unused)
 
 
-def _resolve_cfg(cfg: DraftConfig, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> DraftConfig:
+def resolve_cfg(cfg: DraftConfig, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> DraftConfig:
+    """`cfg` with vocab/hidden size taken from the target's embedding, checked against any values it gives."""
     if embed_VD.ndim != 2 or lm_head_VD.shape != embed_VD.shape:
         raise ValueError(f"embedding {tuple(embed_VD.shape)} and LM head {tuple(lm_head_VD.shape)} must both be "
                          "[vocab, hidden]")
@@ -45,17 +46,22 @@ def _resolve_cfg(cfg: DraftConfig, embed_VD: torch.Tensor, lm_head_VD: torch.Ten
     return cfg
 
 
+def register_frozen_target_weights(module: nn.Module, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> None:
+    """The target's embedding and LM head as non-persistent buffers `frozen_embed_VD` / `frozen_lm_head_VD`:
+    moved with the module, never trained, never saved in its state_dict; one tensor when the target ties them."""
+    tied = lm_head_VD is embed_VD or (lm_head_VD.data_ptr() == embed_VD.data_ptr()
+                                      and lm_head_VD.stride() == embed_VD.stride())
+    embed = embed_VD.detach()
+    module.register_buffer("frozen_embed_VD", embed, persistent=False)
+    module.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_VD.detach(), persistent=False)
+
+
 @register_draft("dspark")
 class DraftModel(nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
         super().__init__()
-        self.cfg = cfg = _resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
-        tied = lm_head_weight_VD is embed_weight_VD or (
-            lm_head_weight_VD.data_ptr() == embed_weight_VD.data_ptr()
-            and lm_head_weight_VD.stride() == embed_weight_VD.stride())
-        embed = embed_weight_VD.detach()
-        self.register_buffer("frozen_embed_VD", embed, persistent=False)
-        self.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_weight_VD.detach(), persistent=False)
+        self.cfg = cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
+        register_frozen_target_weights(self, embed_weight_VD, lm_head_weight_VD)
         self.backbone = DraftBackbone(cfg)
         self.head: SequentialHead | None = build_head(cfg)
         conf_in = cfg.hidden_size + (cfg.head_rank if self.head is not None else 0)

@@ -5,7 +5,6 @@ Run: python -m pytest tests/test_draft_model.py -q
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -318,7 +317,6 @@ def test_tiny_preset_overfits_a_fixed_batch(name):
                        len(cfg.target_layers) * cfg.hidden_size)
     labels, valid = batch.labels_NK(), batch.valid_NK
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    t0 = time.time()
     losses = []
     for _ in range(300):
         out = model(batch)
@@ -330,7 +328,6 @@ def test_tiny_preset_overfits_a_fixed_batch(name):
         if losses[-1] < losses[0] / 8:
             break
     assert losses[-1] < losses[0] / 5, f"{name}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
-    assert time.time() - t0 < 30
     if cfg.ffn == "moe":  # the balance bias moved during training
         assert any(m.router_bias_E.abs().sum() > 0 for m in model.modules() if isinstance(m, MoE))
 
