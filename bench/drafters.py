@@ -25,8 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
+from launch.evaluate_draft import tau_table  # noqa: E402
 from pipeline.metrics import get_logger  # noqa: E402
 
 SCALES = {
@@ -98,35 +97,10 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
 
 
 def stage_eval(work: Path, exports: dict[str, Path], s: dict, log) -> list[dict]:
-    from pipeline.evaluate import evaluate, make_drafter
-    from pipeline.prompt_sets import EVAL_SETS
-    from pipeline.report import write_report
-    from pipeline.target_model import embedding_weights, load_target, smollm2_path
-    from workers.checkpoint import load_exported_draft
+    from launch.evaluate_draft import evaluate_exports
 
-    device = "cuda" if s["use_gpu"] and torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    target, tok = load_target(smollm2_path(), dtype=dtype)
-    target.to(device)
-    prompts = {ds: fn(s["eval_prompts"]) for ds, fn in EVAL_SETS.items()}
-    results = []
-    for name, export in exports.items():
-        model = load_exported_draft(export, *embedding_weights(target)).to(device)
-        drafter = make_drafter(model, name)
-        for temperature in (1.0, 0.0):
-            cache = work / "eval" / f"{name}-T{temperature}.json"
-            if cache.is_file():
-                res = json.loads(cache.read_text())
-            else:
-                t0 = time.time()
-                res = evaluate(target, tok, drafter, prompts, temperature, s["eval_max_new"], seed=0)
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                cache.write_text(json.dumps(res))
-                log.info("eval %s T=%.1f: %.0f s, tau %s", name, temperature, time.time() - t0,
-                         {ds: round(m["tau"], 3) for ds, m in res["datasets"].items()})
-            results.append(res)
-    write_report(results, work / "report")
-    return results
+    return evaluate_exports(exports, "smollm2", ["humaneval", "gsm8k", "mtbench"], s["eval_prompts"],
+                            s["eval_max_new"], [1.0, 0.0], work / "eval", "cuda" if s["use_gpu"] else "cpu", log)
 
 
 def main() -> None:
@@ -143,17 +117,10 @@ def main() -> None:
     exports = {name: stage_train(work, data, s, name, log) for name in args.drafters}
     results = stage_eval(work, exports, s, log)
 
-    taus: dict[tuple[str, float], dict[str, float]] = {
-        (r["drafter"], r["temperature"]): {ds: m["tau"] for ds, m in r["datasets"].items()} for r in results}
-    datasets = sorted(next(iter(taus.values())))
+    table, macro = tau_table(results)
     print(f"\nscale {args.scale}: {s['steps']} training steps per drafter, γ={GAMMA}, "
           f"{s['eval_prompts']} prompts per set, wall {time.time() - t_all:.0f} s (stages cached in {work})")
-    print(f"{'drafter':10}{'T':>5}" + "".join(f"{ds:>11}" for ds in datasets) + f"{'macro':>9}")
-    macro = {}
-    for (name, temperature), row in sorted(taus.items()):
-        macro[(name, temperature)] = sum(row.values()) / len(row)
-        print(f"{name:10}{temperature:>5.1f}" + "".join(f"{row[ds]:>11.3f}" for ds in datasets)
-              + f"{macro[(name, temperature)]:>9.3f}")
+    print(table)
     if all((n, 1.0) in macro for n in ("dspark", "dflash", "eagle3")):
         print(f"tau_ratio dspark/dflash={macro[('dspark', 1.0)] / macro[('dflash', 1.0)]:.3f} "
               f"dspark/eagle3={macro[('dspark', 1.0)] / macro[('eagle3', 1.0)]:.3f}")

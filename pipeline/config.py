@@ -45,7 +45,8 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "default"  # "default" = stdlib code + docstring chats (offline); else a .jsonl path
+    source: str = "default"  # "default" = stdlib code + docstring chats (offline); a .jsonl file ({"text"} or
+    #                          {"messages"} rows); or a .parquet file / data-stage output dir (launch/prepare_data.py)
     num_samples: int = 512
     max_len: int = 512
     samples_per_batch: int = 8  # sequences per feature batch = one micro-batch of one trainer rank

@@ -1,0 +1,37 @@
+"""launch/evaluate_draft.py on an exported (untrained) draft over the real evaluation prompt sets.
+
+Run: python -m pytest tests/test_evaluate_cli.py -q
+"""
+
+import json
+from dataclasses import replace
+
+import torch
+
+from draft_model.presets import draft_preset
+from draft_model.registry import build_draft
+from launch.evaluate_draft import main
+from pipeline.target_model import embedding_weights, load_target
+from workers.checkpoint import export_draft
+from workers.orchestrate import resolve_target_path
+
+
+def test_cli_writes_report_and_resumes(tmp_path, capsys):
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=64, head_rank=8, block_size=3, target_layers=[1, -1])
+    torch.manual_seed(0)
+    draft = build_draft(cfg, *embedding_weights(target))
+    export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, tmp_path / "export")
+    args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
+            "--max-new-tokens", "6", "--temperatures", "0.0", "--out", str(tmp_path / "eval")]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "mine" in table and "humaneval" in table and "mtbench" in table
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 0
+    assert report and (tmp_path / "eval" / "mine-T0.0.json").is_file()
+    cached = (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns
+    assert main(args) == 0  # a second run reuses the cached result
+    assert (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns == cached
+    assert main([*args[:-2], "--datasets", "nope", "--out", str(tmp_path / "e2")]) == 2
