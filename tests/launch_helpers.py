@@ -51,7 +51,9 @@ class LoopbackHead:
         cmd = ["ray", "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
                f"--num-cpus={num_cpus}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
         if dashboard:
-            cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
+            # the job agent's HTTP port too: its default (52365) is taken by any other Ray cluster on the machine
+            cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                    f"--dashboard-agent-listen-port={free_port()}"]
         else:
             cmd += ["--include-dashboard=false"]
         self.env = quiet_env(PYTHONPATH=str(REPO))
