@@ -30,9 +30,11 @@ from pipeline.metrics import get_logger  # noqa: E402
 
 SCALES = {
     # prompts regenerated, reply budget, row length, training steps, eval prompts per set, eval reply budget
-    "cpu": dict(train_prompts=300, regen_max_new=160, max_len=384, steps=120, eval_prompts=6, eval_max_new=64,
+    "cpu": dict(train_prompts=400, regen_max_new=256, max_len=448, steps=100, eval_prompts=6, eval_max_new=64,
+                brief=" Keep the answer short: a few sentences at most.",
                 draft_layers=1, samples_per_batch=2, anchors_per_seq=32, trainers=2, use_gpu=False, regen_workers=2),
     "gpu": dict(train_prompts=6000, regen_max_new=512, max_len=1024, steps=3000, eval_prompts=40, eval_max_new=256,
+                brief="",
                 draft_layers=2, samples_per_batch=8, anchors_per_seq=64, trainers=1, use_gpu=True, regen_workers=1),
 }
 GAMMA = 7  # the paper's comparison setting (block 7, τ counting the bonus token)
@@ -54,7 +56,10 @@ def stage_data(work: Path, s: dict, log) -> Path:
     prompts = work / "train_prompts.jsonl"
     if not prompts.is_file():
         work.mkdir(parents=True, exist_ok=True)
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in training_prompts(s["train_prompts"], seed=0)))
+        records = training_prompts(s["train_prompts"], seed=0)
+        for r in records:  # the target's replies must end within the reply budget, or the data stage drops them
+            r["messages"][-1]["content"] += s["brief"]
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     cmd = [sys.executable, str(REPO / "launch" / "prepare_data.py"), "--input", str(prompts), "--out", str(out),
            "--target", "smollm2", "--max-len", str(s["max_len"]), "--regenerate", "--temperature", "0.8",
            "--top-p", "0.95", "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", "8", "--shard-size", "64",
