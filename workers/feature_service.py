@@ -67,7 +67,7 @@ class FeatureService:
                     self._replay_refs.append(self._launched.pop(b))
             return [self._replay_refs[batch_index % self._replay]]
         with self._lock:
-            if batch_index in self._handed_out:
+            if batch_index < self._low or batch_index in self._handed_out:
                 raise ValueError(f"feature batch {batch_index} was already handed out")
             self._launch(batch_index)
             ref = self._launched.pop(batch_index)
