@@ -99,21 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     from workers.orchestrate import InputError, run_training
 
     t0 = time.time()
+    failure: tuple[int, str] | None = None
     try:
         run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log)
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        failure = (2, str(e))
     except Exception as e:  # a failed run: one clear line, the details are in the worker logs above
         from workers.orchestrate import root_cause
 
-        print(f"error: training failed: {root_cause(e)}", file=sys.stderr)
-        return 1
+        failure = (1, f"training failed: {root_cause(e)}")
     finally:
         import ray
 
-        if ray.is_initialized():
+        if ray.is_initialized():  # before the message: Ray's log forwarding would otherwise print after it
             ray.shutdown()
+    if failure is not None:
+        print(f"error: {failure[1]}", file=sys.stderr)
+        return failure[0]
     log.info("done in %.0fs; run dir %s", time.time() - t0, run_dir)
     return 0
 
