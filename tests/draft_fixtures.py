@@ -61,3 +61,18 @@ def moe_mhc_cfg(**overrides) -> DraftConfig:
                 residual="mhc", mhc_streams=3, head="rnn", head_rank=16, rnn_state_size=24)
     base.update(overrides)
     return DraftConfig(**base)
+
+
+def fit_fixed_batch(model, loss_fn, steps: int = 300, lr: float = 1e-2) -> list[float]:
+    """Adam on one fixed batch until the loss is 8x below its start (or `steps`); returns the losses."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses: list[float] = []
+    for _ in range(steps):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if losses[-1] < losses[0] / 8:
+            break
+    return losses

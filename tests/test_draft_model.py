@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from draft_fixtures import D, V, dense_cfg, frozen_weights, make_batch, moe_mhc_cfg, tiny
+from draft_fixtures import D, V, dense_cfg, fit_fixed_batch, frozen_weights, make_batch, moe_mhc_cfg, tiny
 
 from draft_model.config import DraftConfig, MoEConfig
 from draft_model.heads import MarkovHead, RNNHead
@@ -316,17 +316,12 @@ def test_tiny_preset_overfits_a_fixed_batch(name):
     batch = make_batch([24, 20], [(0, 2), (0, 8), (0, 14), (1, 3), (1, 10)], cfg.block_size,
                        len(cfg.target_layers) * cfg.hidden_size)
     labels, valid = batch.labels_NK(), batch.valid_NK
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(300):
+
+    def ce_loss():
         out = model(batch)
-        loss = F.cross_entropy(_logits(model, out)[valid], labels[valid]) + out.aux_loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if losses[-1] < losses[0] / 8:
-            break
+        return F.cross_entropy(_logits(model, out)[valid], labels[valid]) + out.aux_loss
+
+    losses = fit_fixed_batch(model, ce_loss)
     assert losses[-1] < losses[0] / 5, f"{name}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
     if cfg.ffn == "moe":  # the balance bias moved during training
         assert any(m.router_bias_E.abs().sum() > 0 for m in model.modules() if isinstance(m, MoE))

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from draft_fixtures import D, V, frozen_weights, make_batch, tiny
+from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, make_batch, tiny
 
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig, LossConfig
@@ -254,18 +254,9 @@ def test_trains_with_the_dspark_loss(one_thread):
     batch = _greedy_target_batch(model)
     target_hidden = batch.final_hidden_TD[batch.target_index_NK()]
     cfg = LossConfig()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(300):
-        out = model(batch)
-        loss = output_loss(out, model.lm_head_weight(), model.head_w2(), batch.labels_NK(), target_hidden,
-                           batch.valid_NK, cfg).total()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if losses[-1] < losses[0] / 8:
-            break
+    losses = fit_fixed_batch(model, lambda: output_loss(model(batch), model.lm_head_weight(), model.head_w2(),
+                                                         batch.labels_NK(), target_hidden, batch.valid_NK,
+                                                         cfg).total())
     assert losses[-1] < losses[0] / 5, f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
 
 
