@@ -10,6 +10,7 @@ Every stage is cached in --work-dir, so a re-run resumes where it stopped. The l
 `tau_ratio dspark/dflash=X dspark/eagle3=Y` (macro-average τ over the datasets, temperature 1.0).
 
 Run: python bench/drafters.py --scale cpu      (≤ 2 hours on 2 cores)
+     python bench/drafters.py --scale cpu --work-dir runs/drafters-long --steps 300 --drafters dspark dflash
      python bench/drafters.py --scale gpu      (a lent H200: larger data, longer training, more prompts)
 """
 
@@ -105,7 +106,7 @@ def stage_eval(work: Path, exports: dict[str, Path], s: dict, log) -> list[dict]
     from launch.evaluate_draft import evaluate_exports
 
     return evaluate_exports(exports, "smollm2", ["humaneval", "gsm8k", "mtbench"], s["eval_prompts"],
-                            s["eval_max_new"], [1.0, 0.0], work / "eval", "cuda" if s["use_gpu"] else "cpu", log)
+                            s["eval_max_new"], s["temperatures"], work / "eval", "cuda" if s["use_gpu"] else "cpu", log)
 
 
 def main() -> None:
@@ -113,8 +114,13 @@ def main() -> None:
     ap.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--steps", type=int, default=0, help="training steps per drafter (default: the scale's)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     args = ap.parse_args()
-    s = SCALES[args.scale]
+    s = dict(SCALES[args.scale])
+    if args.steps:
+        s["steps"] = args.steps
+    s["temperatures"] = args.temperatures
     work = Path(args.work_dir or REPO / "runs" / f"drafters-{args.scale}").resolve()
     log = get_logger("bench.drafters")
     t_all = time.time()
