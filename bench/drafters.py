@@ -51,7 +51,8 @@ def stage_data(work: Path, s: dict, log) -> Path:
     from pipeline.prompt_sets import training_prompts
 
     out = work / "data"
-    if (out / "stats.json").is_file() and json.loads((out / "stats.json").read_text()).get("complete"):
+    progress = out / "progress.json"
+    if progress.is_file() and json.loads(progress.read_text()).get("complete"):
         log.info("data: reusing %s", out)
         return out
     prompts = work / "train_prompts.jsonl"
