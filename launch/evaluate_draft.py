@@ -29,9 +29,8 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     from pipeline.evaluate import evaluate, make_drafter
     from pipeline.prompt_sets import EVAL_SETS
     from pipeline.report import write_report
-    from pipeline.target_model import embedding_weights, load_target
+    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
     from workers.checkpoint import load_exported_draft
-    from workers.orchestrate import resolve_target_path
 
     unknown = sorted(set(datasets) - set(EVAL_SETS))
     if unknown:

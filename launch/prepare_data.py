@@ -50,25 +50,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_target(name: str) -> Path:
-    from pipeline.target_model import smollm2_path
-
-    if name == "smollm2":
-        return smollm2_path()
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"target {path} does not exist (give 'smollm2', a model directory or a .gguf file)")
-    return path
-
-
-def load_tokenizer(target: Path):
-    from transformers import AutoTokenizer
-
-    if target.is_file():
-        return AutoTokenizer.from_pretrained(str(target.parent), gguf_file=target.name)
-    return AutoTokenizer.from_pretrained(str(target))
-
-
 def make_generator(args: argparse.Namespace, target: Path):
     import torch
 
@@ -105,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1, got {args.num_workers}")
-        target = resolve_target(args.target)
+        from pipeline.target_model import load_tokenizer, resolve_target_path
+
+        target = resolve_target_path(args.target)
         tokenizer = load_tokenizer(target)
         params = (GenParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
                   if args.regenerate else None)

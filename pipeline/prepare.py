@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipeline.atomic import write_text_atomic
 from pipeline.data_stage import FORMAT_VERSION, REASONS, build_shard, file_digest, open_prompts
 from pipeline.regenerate import Generator, GenParams
 
@@ -23,15 +24,6 @@ log = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
 STATS = "stats.json"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def fingerprint(inputs: list[str], dataset, tokenizer, max_len: int, params: GenParams | None, batch_size: int,
@@ -132,17 +124,17 @@ def run_data_stage(inputs: list[str], tokenizer, out_dir: str | os.PathLike, *, 
             state["completed"][key] = {"file": name, "records": hi - lo, "rows": len(table), "tokens": sum(lengths),
                                        "trained_tokens": trained, "dropped": dict(dropped)}
             state["complete"] = len(state["completed"]) == num_shards
-            _atomic_write_text(out / PROGRESS, json.dumps(state, indent=1))
+            write_text_atomic(out / PROGRESS, json.dumps(state, indent=1))
             bar.update(hi - lo)
             stats = summarize(state["completed"])
             bar.set_postfix(rows=stats["rows"], dropped=stats["dropped_total"])
     finally:
         bar.close()
     state["complete"] = True
-    _atomic_write_text(out / PROGRESS, json.dumps(state, indent=1))
+    write_text_atomic(out / PROGRESS, json.dumps(state, indent=1))
     stats = {**summarize(state["completed"]), "shards": num_shards, "max_len": max_len,
              "regenerate": fp["regenerate"]}
-    _atomic_write_text(out / STATS, json.dumps(stats, indent=1))
+    write_text_atomic(out / STATS, json.dumps(stats, indent=1))
     if stats["dropped_total"]:
         log.warning("data stage: dropped %d of the candidate rows: %s", stats["dropped_total"],
                     {k: v for k, v in stats["dropped"].items() if v})

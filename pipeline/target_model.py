@@ -210,6 +210,43 @@ def tiny_moe_target(kind: str = "qwen3_moe", seed: int = 0, hidden_size: int = 6
     return _freeze(model), tokenizer
 
 
+# ---- target names -----------------------------------------------------------------------------------------------
+
+TINY_TARGETS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-deepseek-v3": "deepseek_v3"}
+
+
+def resolve_target_path(name: str) -> Path:
+    """'smollm2' -> the converted SmolLM2 wheel; 'tiny-*' -> a cached tiny random MoE target; else a path."""
+    if name == "smollm2":
+        return smollm2_path()
+    if name in TINY_TARGETS:
+        out = default_cache_dir() / f"{name}-seed0"
+        if not (out / "config.json").exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out.parent))
+            model, tok = tiny_moe_target(TINY_TARGETS[name], seed=0)
+            save_target(model, tok, tmp)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"target {name!r} is neither a known name (smollm2, {', '.join(TINY_TARGETS)}) "
+                                "nor an existing file or directory (a model directory or a .gguf file)")
+    return path
+
+
+def load_tokenizer(target: Path):
+    """The tokenizer of a resolved target: a model directory, or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    if target.is_file():
+        return AutoTokenizer.from_pretrained(str(target.parent), gguf_file=target.name)
+    return AutoTokenizer.from_pretrained(str(target))
+
+
 # ---- shape facts and weights ------------------------------------------------------------------------------------
 
 

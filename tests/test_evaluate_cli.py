@@ -11,9 +11,8 @@ import torch
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from launch.evaluate_draft import main
-from pipeline.target_model import embedding_weights, load_target
+from pipeline.target_model import embedding_weights, load_target, resolve_target_path
 from workers.checkpoint import export_draft
-from workers.orchestrate import resolve_target_path
 
 
 def test_cli_writes_report_and_resumes(tmp_path, capsys):

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from pipeline.atomic import write_text_atomic
+
 LATEST = "latest"
 
 
@@ -61,11 +63,11 @@ class CheckpointManager:
         barrier()
         if rank == 0:
             record = {**meta, "step": step, "saved_at": time.time()}
-            _write_atomic(tmp / "meta.json", json.dumps(record, indent=1, default=str))
+            write_text_atomic(tmp / "meta.json", json.dumps(record, indent=1, default=str))
             if final.exists():  # a re-run of the same step after a crash: replace it with the fresh one
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_atomic(self.root / LATEST, final.name + "\n")
+            write_text_atomic(self.root / LATEST, final.name + "\n")
             self._prune()
         barrier()
         return final
@@ -85,15 +87,6 @@ class CheckpointManager:
         done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
         for old in done[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:

@@ -8,44 +8,15 @@ does not match the checkpoint) raise InputError before any worker starts or any 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config import RunConfig, save_config
-
-TINY_TARGETS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-deepseek-v3": "deepseek_v3"}
+from pipeline.target_model import resolve_target_path
 
 
 class InputError(ValueError):
     """Bad input the user can fix; reported as one line, exit status 2."""
-
-
-def resolve_target_path(name: str) -> Path:
-    """'smollm2' -> the converted SmolLM2 wheel; 'tiny-*' -> a cached tiny random MoE target; else a path."""
-    from pipeline.target_model import default_cache_dir, save_target, smollm2_path, tiny_moe_target
-
-    if name == "smollm2":
-        return smollm2_path()
-    if name in TINY_TARGETS:
-        out = default_cache_dir() / f"{name}-seed0"
-        if not (out / "config.json").exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out.parent))
-            model, tok = tiny_moe_target(TINY_TARGETS[name], seed=0)
-            save_target(model, tok, tmp)
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return out
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise InputError(f"target.path {name!r} is neither a known name (smollm2, {', '.join(TINY_TARGETS)}) "
-                         "nor an existing file or directory")
-    return path
 
 
 def precheck_target(cfg: RunConfig, target_path: Path) -> None:
@@ -126,7 +97,10 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
                          "a sequence needs an anchor and at least one token after it")
     if resume_from is not None:
         check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
-    target_path = resolve_target_path(cfg.target.path)
+    try:
+        target_path = resolve_target_path(cfg.target.path)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from e
     precheck_target(cfg, target_path)
     samples = load_samples(cfg, target_path)
     log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
