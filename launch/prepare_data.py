@@ -65,11 +65,10 @@ def make_generator(args: argparse.Namespace, target: Path):
         return LocalGenerator(model, tokenizer), None
     import ray
 
+    from launch.train_v4_draft import worker_runtime_env
     from workers.target_worker import start_target_actor
 
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-    runtime_env = None if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else {"env_vars": {"PYTHONPATH": pythonpath}}
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=runtime_env,
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=worker_runtime_env(),
              **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
     gpus = args.gpus_per_worker if args.gpus_per_worker >= 0 else (1 if ray.cluster_resources().get("GPU") else 0)
     actors = [start_target_actor(target, [-1], num_gpus=gpus, compute_dtype=dtype)

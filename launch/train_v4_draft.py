@@ -51,14 +51,19 @@ def build_config(args: argparse.Namespace):
     return load_config(path, overrides)
 
 
+def worker_runtime_env() -> dict | None:
+    """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
+    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared)."""
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return None
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}}
+
+
 def connect_ray(cfg) -> None:
     import ray
 
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    # Workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already ships it;
-    # a driver started by hand points the workers at its checkout (same filesystem: local or shared).
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-    runtime_env = None if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else {"env_vars": {"PYTHONPATH": pythonpath}}
+    runtime_env = worker_runtime_env()
     if address:
         ray.init(address=address, runtime_env=runtime_env)
         return
