@@ -48,12 +48,17 @@ def resolve_cfg(cfg: DraftConfig, embed_VD: torch.Tensor, lm_head_VD: torch.Tens
 
 def register_frozen_target_weights(module: nn.Module, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> None:
     """The target's embedding and LM head as non-persistent buffers `frozen_embed_VD` / `frozen_lm_head_VD`:
-    moved with the module, never trained, never saved in its state_dict; one tensor when the target ties them."""
+    moved with the module, never trained, never saved in its state_dict; one tensor when the target ties them.
+
+    They take the dtype of the draft's new parameters (torch's default dtype), whatever the target runs in: a
+    bf16 target under an fp32 draft must not make the loss mix dtypes; a later `module.to(dtype)` casts them with
+    everything else. Same dtype: no copy, the target's tensors are shared."""
     tied = lm_head_VD is embed_VD or (lm_head_VD.data_ptr() == embed_VD.data_ptr()
                                       and lm_head_VD.stride() == embed_VD.stride())
-    embed = embed_VD.detach()
+    dtype = torch.get_default_dtype()
+    embed = embed_VD.detach().to(dtype)
     module.register_buffer("frozen_embed_VD", embed, persistent=False)
-    module.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_VD.detach(), persistent=False)
+    module.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_VD.detach().to(dtype), persistent=False)
 
 
 @register_draft("dspark")

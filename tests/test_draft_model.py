@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from draft_fixtures import D, V, dense_cfg, fit_fixed_batch, frozen_weights, make_batch, moe_mhc_cfg, tiny
 
-from draft_model.config import DraftConfig, MoEConfig
+from draft_model.config import DraftConfig, LossConfig, MoEConfig
 from draft_model.heads import MarkovHead, RNNHead
 from draft_model.mhc import MHCConnection, sinkhorn
 from draft_model.model import DraftModel
@@ -71,6 +71,26 @@ def test_tied_target_weights_are_one_tensor():
     model = DraftModel(dense_cfg(), embed, embed)
     assert model.lm_head_weight() is model.embed_weight()
     assert model.lm_head_weight().data_ptr() == embed.data_ptr()  # no copy of a V x D matrix
+
+
+@pytest.mark.parametrize("arch", ["dspark", "eagle3"])
+def test_a_bf16_target_under_an_fp32_draft_trains_in_fp32(arch):
+    """A bf16 target (GPU features) with an fp32 draft: the frozen weights follow the draft, so the loss does not
+    mix dtypes; tying survives the cast."""
+    from draft_model.loss import output_loss
+    from draft_model.registry import build_draft
+
+    embed, lm_head = (w.to(torch.bfloat16) for w in frozen_weights())
+    cfg = (dense_cfg(arch="eagle3", num_layers=1, head="none", target_layers=[0, 1, 2]) if arch == "eagle3"
+           else dense_cfg(target_layers=[0, 1]))
+    b = make_batch([12, 9], [(0, 3), (1, 5)], cfg.block_size, feat_width=len(cfg.target_layers) * D, seed=1)
+    model = build_draft(cfg, embed, lm_head)
+    assert model.lm_head_weight().dtype == model.embed_weight().dtype == torch.float32
+    parts = output_loss(model(b), model.lm_head_weight(), model.head_w2(), b.labels_NK(),
+                        b.final_hidden_TD[b.target_index_NK()], b.valid_NK, LossConfig())
+    parts.total(parts.weight_sum).backward()
+    tied = build_draft(cfg, embed, embed)
+    assert tied.lm_head_weight() is tied.embed_weight()
 
 
 def test_shape_mismatches_raise_clear_errors():
