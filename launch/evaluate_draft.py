@@ -23,10 +23,17 @@ if str(REPO) not in sys.path:
 
 def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[str], num_prompts: int,
                      max_new_tokens: int, temperatures: list[float], out_dir: Path, device: str = "auto",
-                     log=None) -> list[dict]:
+                     log=None, time_limit_s: float | None = None) -> list[dict]:
+    """Evaluate every export at every temperature on the same prompts; results cached per (draft, temperature).
+
+    time_limit_s bounds the whole evaluation: each temperature gets an equal share of what is left, and prompts
+    stop being started when it runs out, for all drafts alike (pipeline/evaluate.evaluate_many), so the drafts stay
+    comparable; a cut result says how many prompts ran and is not cached.
+    """
     import torch
 
-    from pipeline.evaluate import evaluate, make_drafter
+    from pipeline.atomic import write_text_atomic
+    from pipeline.evaluate import evaluate_many, make_drafter
     from pipeline.prompt_sets import EVAL_SETS
     from pipeline.report import write_report
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
@@ -35,26 +42,40 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     unknown = sorted(set(datasets) - set(EVAL_SETS))
     if unknown:
         raise ValueError(f"unknown dataset(s) {unknown}; available: {sorted(EVAL_SETS)}")
+    t_start = time.monotonic()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target, tok = load_target(resolve_target_path(target_name), dtype=dtype)
     target.to(device)
     prompts = {ds: EVAL_SETS[ds](num_prompts) for ds in datasets}
+    drafters = {name: make_drafter(load_exported_draft(export, *embedding_weights(target)).to(device), name)
+                for name, export in exports.items()}
     results = []
-    for name, export in exports.items():
-        drafter = make_drafter(load_exported_draft(export, *embedding_weights(target)).to(device), name)
-        for temperature in temperatures:
-            cache = out_dir / f"{name}-T{temperature}.json"
-            if cache.is_file():
-                res = json.loads(cache.read_text())
-            else:
-                t0 = time.time()
-                res = evaluate(target, tok, drafter, prompts, temperature, max_new_tokens, seed=0)
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                cache.write_text(json.dumps(res))
+    for n, temperature in enumerate(temperatures):
+        cached = {name: out_dir / f"{name}-T{temperature}.json" for name in exports}
+        todo = [name for name, path in cached.items() if not path.is_file()]
+        deadline = None
+        if time_limit_s is not None:
+            left = time_limit_s - (time.monotonic() - t_start)
+            deadline = time.monotonic() + left / (len(temperatures) - n)
+        fresh = {}
+        if todo:
+            t0 = time.time()
+            fresh = dict(zip(todo, evaluate_many(target, tok, [drafters[name] for name in todo], prompts,
+                                                 temperature, max_new_tokens, seed=0, deadline_s=deadline)))
+        for name, path in cached.items():
+            res = fresh[name] if name in fresh else json.loads(path.read_text())
+            ran = {ds: m["num_prompts"] for ds, m in res["datasets"].items()}
+            if name in fresh:
+                if all(ran[ds] == len(prompts[ds]) for ds in prompts):
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    write_text_atomic(path, json.dumps(res))
+                elif log is not None:
+                    log.warning("eval %s T=%.1f: time limit reached after %s prompts per dataset (not cached)",
+                                name, temperature, ran)
                 if log is not None:
-                    log.info("eval %s T=%.1f: %.0f s, tau %s", name, temperature, time.time() - t0,
+                    log.info("eval %s T=%.1f: %.0f s for all drafts, tau %s", name, temperature, time.time() - t0,
                              {ds: round(m["tau"], 3) for ds, m in res["datasets"].items()})
             results.append(res)
     write_report(results, out_dir)
@@ -86,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     p.add_argument("--device", default="auto")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop starting prompts after this long, for every draft alike (default: no limit)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     exports = {}
@@ -95,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         exports[name or path.parent.name] = path
     try:
         results = evaluate_exports(exports, args.target, args.datasets, args.num_prompts, args.max_new_tokens,
-                                   args.temperatures, Path(args.out), args.device, get_logger("dspark.eval"))
+                                   args.temperatures, Path(args.out), args.device, get_logger("dspark.eval"),
+                                   args.time_limit)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,8 +37,7 @@ from pipeline.report import expected_calibration_error, roc_auc
 from pipeline.target_model import FINAL_HIDDEN, target_dims, validate_layers
 
 __all__ = ["DecodeContext", "Drafter", "DSparkDrafter", "Eagle3Drafter", "make_drafter", "RoundLog", "TargetSession",
-           "encode_prompt", "evaluate",
-           "generate"]
+           "encode_prompt", "evaluate", "evaluate_many", "generate"]
 
 
 @dataclass
@@ -339,34 +338,57 @@ def evaluate(target: nn.Module, tokenizer, drafter: Drafter, prompts: dict[str, 
     seeded from (seed, dataset, index), so results do not depend on dataset order. eos_token_ids: None = the
     target's generation config / tokenizer; an empty list disables stopping at EOS.
     """
+    return evaluate_many(target, tokenizer, [drafter], prompts, temperature, max_new_tokens, seed, eos_token_ids)[0]
+
+
+def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts: dict[str, list],
+                  temperature: float, max_new_tokens: int, seed: int = 0,
+                  eos_token_ids: Iterable[int] | None = None, deadline_s: float | None = None) -> list[dict]:
+    """`evaluate` for several drafters on the same prompts, one result per drafter.
+
+    Prompt i of every dataset runs for every drafter before prompt i + 1 of any, each with the same seed, so a
+    time limit (`deadline_s`, a time.monotonic() value: no prompt index is started after it) leaves every drafter
+    with the same prompts, as many from each dataset. Each result's num_prompts says how many ran.
+    """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos_ids = _eos_ids(target, tokenizer, eos_token_ids)
     device = target.get_output_embeddings().weight.device
-    out = {"drafter": drafter.name, "gamma": drafter.block_size, "temperature": temperature,
-           "max_new_tokens": max_new_tokens, "seed": seed, "datasets": {}, "generations": {}}
-    for ds, items in prompts.items():
-        rounds = RoundLog([], [])
-        gens, forwards, new_tokens = [], 0, 0
-        _sync(device)
-        t0 = time.perf_counter()
-        for i, prompt in enumerate(items):
-            ids = encode_prompt(tokenizer, prompt)
+    outs = [{"drafter": d.name, "gamma": d.block_size, "temperature": temperature, "max_new_tokens": max_new_tokens,
+             "seed": seed, "datasets": {}, "generations": {}} for d in drafters]
+    state = {(j, ds): {"rounds": RoundLog([], []), "gens": [], "forwards": 0, "new": 0, "wall": 0.0}
+             for j in range(len(drafters)) for ds in prompts}
+    for i in range(max((len(v) for v in prompts.values()), default=0)):
+        if deadline_s is not None and time.monotonic() >= deadline_s:
+            break
+        for ds, items in prompts.items():
+            if i >= len(items):
+                continue
+            ids = encode_prompt(tokenizer, items[i])
             entropy = [seed, zlib.crc32(ds.encode()), i]
-            g = torch.Generator(device=device).manual_seed(int(np.random.SeedSequence(entropy).generate_state(1)[0]))
-            new, fwd = generate(target, drafter, ids, temperature, max_new_tokens, g, eos_ids, rounds)
-            forwards += fwd
-            new_tokens += len(new)
-            gens.append({"prompt_tokens": len(ids), "tokens": new})
-        _sync(device)
-        wall = time.perf_counter() - t0
-        for gen in gens:
-            gen["text"] = tokenizer.decode(gen["tokens"]) if tokenizer is not None else None
-        out["datasets"][ds] = _dataset_metrics(rounds, new_tokens, forwards, wall, len(items))
-        out["generations"][ds] = gens
-    return out
+            prompt_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+            for j, drafter in enumerate(drafters):
+                st = state[(j, ds)]
+                g = torch.Generator(device=device).manual_seed(prompt_seed)
+                _sync(device)
+                t0 = time.perf_counter()
+                new, fwd = generate(target, drafter, ids, temperature, max_new_tokens, g, eos_ids, st["rounds"])
+                _sync(device)
+                st["wall"] += time.perf_counter() - t0
+                st["forwards"] += fwd
+                st["new"] += len(new)
+                st["gens"].append({"prompt_tokens": len(ids), "tokens": new})
+    for j, out in enumerate(outs):
+        for ds in prompts:
+            st = state[(j, ds)]
+            for gen in st["gens"]:
+                gen["text"] = tokenizer.decode(gen["tokens"]) if tokenizer is not None else None
+            out["datasets"][ds] = _dataset_metrics(st["rounds"], st["new"], st["forwards"], st["wall"],
+                                                   len(st["gens"]))
+            out["generations"][ds] = st["gens"]
+    return outs
 
 
 def _sync(device: torch.device) -> None:

@@ -25,6 +25,7 @@ from pipeline.evaluate import (
     Eagle3Drafter,
     TargetSession,
     evaluate,
+    evaluate_many,
     generate,
     make_drafter,
 )
@@ -290,6 +291,33 @@ def test_draft_model_end_to_end(preset, overrides):
     assert all((c is None) == (r == 0) for c, r in zip(m["conf_mean"], m["reached"]))
     assert all(0 < c < 1 for c in m["conf_mean"] if c is not None)
     assert 0 <= m["ece"] <= 1
+
+
+def test_several_drafters_share_prompts_and_a_time_limit_cuts_them_alike():
+    target = tiny_llama(seed=4)
+    drafters = [make_drafter(_tiny_draft(target, p), name=p) for p in ("dspark-markov", "dflash")]
+    prompts = {"a": [[2, 9, 4, 4], [17, 3, 8], [5, 5]], "b": [[1, 2, 3], [8]]}
+    together = evaluate_many(target, None, drafters, prompts, 1.0, 12, seed=3, eos_token_ids=NO_EOS)
+    for drafter, res in zip(drafters, together):  # each drafter's result is what it gets evaluated alone
+        alone = evaluate(target, None, drafter, prompts, 1.0, 12, seed=3, eos_token_ids=NO_EOS)
+        assert res["drafter"] == drafter.name
+        for ds in prompts:
+            assert res["generations"][ds] == alone["generations"][ds]
+            assert res["datasets"][ds]["tau"] == alone["datasets"][ds]["tau"]
+    # a deadline already passed after the first prompt index: every drafter keeps prompt 0 of every dataset only
+    clock = iter([0.0, 10.0, 10.0])
+    import pipeline.evaluate as ev
+
+    real = ev.time.monotonic
+    ev.time.monotonic = lambda: next(clock, 10.0)
+    try:
+        cut = evaluate_many(target, None, drafters, prompts, 1.0, 12, seed=3, eos_token_ids=NO_EOS, deadline_s=5.0)
+    finally:
+        ev.time.monotonic = real
+    for res, full in zip(cut, together):
+        assert {ds: m["num_prompts"] for ds, m in res["datasets"].items()} == {"a": 1, "b": 1}
+        for ds in prompts:
+            assert res["generations"][ds] == full["generations"][ds][:1]
 
 
 def test_sliding_window_truncation_keeps_the_draft_output():
