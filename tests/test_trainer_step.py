@@ -18,7 +18,7 @@ from draft_model.config import LossConfig
 from draft_model.loss import output_loss
 from draft_model.registry import build_draft
 from pipeline.packing import PackStats
-from workers.trainer import DraftWithLoss, optimizer_step
+from workers.train_step import DraftWithLoss, optimizer_step
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,43 @@ def test_grad_accum_step_is_the_global_batch_gradient(single_rank_env):
     for n, p in engine.module.named_parameters():
         torch.testing.assert_close(before[n] - p.detach(), grads[n], rtol=1e-4, atol=1e-6, msg=n)
     assert acc["trained"] == int(b1.valid_NK.sum() + b2.valid_NK.sum())
+
+
+def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
+    """workers/single_process.TorchEngine (AdamW, clipping, WarmupCosineLR, accumulation, a head lr group) takes
+    the DeepSpeed engine's steps, parameter for parameter, so single-process runs train the same drafts."""
+    import deepspeed
+
+    from pipeline.config import RunConfig
+    from workers.single_process import TorchEngine
+    from workers.train_step import param_groups
+    from workers.trainer import deepspeed_config
+
+    torch.manual_seed(0)
+    cfg = RunConfig()
+    cfg.draft, cfg.loss = dense_cfg(block_size=4), LossConfig(chunk_rows=5)
+    t = cfg.train
+    t.lr, t.head_lr_scale, t.max_steps, t.warmup_steps, t.grad_accum = 3e-2, 4.0, 7, 3, 2
+    t.grad_clip, t.weight_decay, t.zero_stage, t.min_lr_ratio = 0.05, 0.01, 0, 0.2  # the clip binds
+    embed, head = frozen_weights()
+    batches = [make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1),
+               make_batch([15], [(0, 2), (0, 6), (0, 12), (0, 13)], 4, feat_width=32, seed=2)]
+    micro = [(b, _stats(b), 0) for b in batches]
+    module = DraftWithLoss(build_draft(cfg.draft, embed, head), cfg.loss)
+    twin = copy.deepcopy(module)
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    groups = param_groups(module, cfg)
+    assert [g["name"] for g in groups] == ["backbone", "head"]
+    assert groups[1]["lr"] == pytest.approx(t.lr * t.head_lr_scale)
+
+    engine, _, _, scheduler = deepspeed.initialize(model=module, model_parameters=groups,
+                                                   config=deepspeed_config(cfg))
+    ours = TorchEngine(twin, cfg)
+    for step in range(t.max_steps):
+        assert ours.get_lr() == pytest.approx(scheduler.get_lr(), abs=1e-12), step
+        losses = [optimizer_step(e, micro, cfg.loss.decay_lambda, world=1)[0]["ce"] for e in (engine, ours)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5), step
+    assert engine.global_steps == t.max_steps
+    for (n, p), q in zip(engine.module.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        assert not torch.equal(q.detach(), init[n]), f"{n} never moved"

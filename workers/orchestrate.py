@@ -80,6 +80,21 @@ def check_resume(cfg: RunConfig, meta: dict) -> None:
                              "data order are needed; use a new --run-dir to start over)")
 
 
+def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
+    """The target's path and the training samples, after every check that needs no worker (InputError if bad)."""
+    if cfg.data.max_len <= cfg.draft.block_size:
+        raise InputError(f"data.max_len ({cfg.data.max_len}) must exceed draft.block_size ({cfg.draft.block_size}): "
+                         "a sequence needs an anchor and at least one token after it")
+    try:
+        target_path = resolve_target_path(cfg.target.path)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from e
+    precheck_target(cfg, target_path)
+    samples = load_samples(cfg, target_path)
+    log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
+    return target_path, samples
+
+
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
                  log: logging.Logger) -> None:
     import json
@@ -92,18 +107,9 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from workers.feature_service import FeatureService
     from workers.trainer import train_loop
 
-    if cfg.data.max_len <= cfg.draft.block_size:
-        raise InputError(f"data.max_len ({cfg.data.max_len}) must exceed draft.block_size ({cfg.draft.block_size}): "
-                         "a sequence needs an anchor and at least one token after it")
     if resume_from is not None:
         check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
-    try:
-        target_path = resolve_target_path(cfg.target.path)
-    except FileNotFoundError as e:
-        raise InputError(str(e)) from e
-    precheck_target(cfg, target_path)
-    samples = load_samples(cfg, target_path)
-    log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
+    target_path, samples = resolve_inputs(cfg, log)
 
     connect()
     target = {**cfg.target.__dict__, "resolved_path": str(target_path)}

@@ -1,8 +1,8 @@
 """Target worker: holds the frozen target and turns token sequences into FeatureBatch messages.
 
-`TargetWorker` is a plain class (tested without Ray); `TargetWorkerActor` is the same class as a Ray actor and
-`start_target_actor` places one with the GPUs/CPUs it needs. A target spread over several GPUs is loaded with a
-`device_map` inside the worker; callers only see FeatureBatches.
+`TargetWorker` is a plain class (tested without Ray, used in-process by workers/single_process.py);
+`start_target_actor` places it as a Ray actor with the GPUs/CPUs it needs. A target spread over several GPUs is
+loaded with a `device_map` inside the worker; callers only see FeatureBatches.
 
 Legend (shape suffixes):
   S  sequences in the request    B  sequences in one forward micro-batch    L  padded length of the micro-batch
@@ -15,7 +15,6 @@ import logging
 import os
 
 import numpy as np
-import ray
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
@@ -133,13 +132,12 @@ class TargetWorker:
         )
 
 
-TargetWorkerActor = ray.remote(TargetWorker)
-
-
 def start_target_actor(target_path: str | os.PathLike, layers: list[int], num_gpus: float = 0,
                        num_cpus: float = 1, **kwargs):
     """Start one TargetWorker actor holding `num_gpus` GPUs (Ray sets CUDA_VISIBLE_DEVICES for it): one GPU ->
     device "cuda", several -> device_map "auto" so accelerate spreads the target's layers over them."""
+    import ray  # only here: the class itself runs without Ray (single-process training, tests)
+
     if num_gpus and "device" not in kwargs and "device_map" not in kwargs:
         kwargs["device_map" if num_gpus > 1 else "device"] = "auto" if num_gpus > 1 else "cuda"
-    return TargetWorkerActor.options(num_gpus=num_gpus, num_cpus=num_cpus).remote(target_path, layers, **kwargs)
+    return ray.remote(TargetWorker).options(num_gpus=num_gpus, num_cpus=num_cpus).remote(target_path, layers, **kwargs)

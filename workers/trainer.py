@@ -3,15 +3,12 @@
 Per optimizer step, rank r of R fetches its `grad_accum` feature batches from the FeatureService (batch indices
 from pipeline/order.py), packs them into BlockBatches, all-reduces the loss denominator (Σ position weights, known
 from the valid masks before any forward), then runs forward/backward per micro-batch and one ZeRO step. The LM
-head is applied here, locally, at the block positions only (inside the chunked loss).
-
-Loss scaling: DeepSpeed divides the loss by grad_accum and averages gradients over R ranks; we want the gradient
-of Σ_all numerators / Σ_all weights, so each micro-batch's loss is numerator / global_weight_sum · R · grad_accum.
+head is applied here, locally, at the block positions only (inside the chunked loss). The step itself (loss
+scaling, metrics) is workers/train_step.py, shared with the single-process trainer.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -21,47 +18,24 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from draft_model.batch import BlockBatch
-from draft_model.config import LossConfig
-from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for, batches_per_epoch
 from pipeline.packing import PackStats, pack
 from workers.checkpoint import CheckpointManager, export_draft
-
-
-class DraftWithLoss(nn.Module):
-    """The draft and its loss in one module, so that ZeRO-3 has every parameter gathered while the loss runs."""
-
-    def __init__(self, draft: nn.Module, loss_cfg: LossConfig) -> None:
-        super().__init__()
-        self.draft = draft
-        self.loss_cfg = loss_cfg
-
-    def forward(self, batch: BlockBatch) -> LossParts:
-        out = self.draft(batch)
-        target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()]
-        return output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
-                           target_hidden_NKD, batch.valid_NK, self.loss_cfg)
-
-
-def share_moe_load(draft: nn.Module) -> None:
-    """Make every data-parallel replica apply the same loss-free balance-bias update (from the global load)."""
-    from draft_model.moe import MoE
-
-    def global_load(load_E: torch.Tensor) -> torch.Tensor:
-        load_E = load_E.clone()
-        dist.all_reduce(load_E)
-        return load_E
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for m in draft.modules():
-            if isinstance(m, MoE):
-                m.load_reducer = global_load
+from workers.train_step import (
+    DraftWithLoss,
+    all_reduce_sum,
+    export_meta,
+    format_step,
+    optimizer_step,
+    param_groups,
+    share_moe_load,
+    step_metrics,
+)
 
 
 def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
@@ -81,42 +55,6 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-
-
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], decay_lambda: float,
-                   world: int) -> tuple[dict[str, float], float]:
-    """One optimizer step over this rank's micro-batches (DeepSpeed steps the optimizer after the last one).
-
-    The denominator Σw over every rank's micro-batches is known before any forward (it depends only on the
-    valid masks); each micro-batch's loss is scaled by world·grad_accum/Σw, undoing DeepSpeed's averaging, so the
-    update is the gradient of (Σ numerators)/(Σ w) over the global batch. Returns this rank's metric sums and Σw.
-    """
-    local_w = sum(float(position_weights(bb.valid_NK, decay_lambda).sum()) for bb, _, _ in micro)
-    (global_w,) = _all_reduce_sum([local_w])
-    scale = world * len(micro)
-    acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks"),
-                        0.0)
-    for bb, stats, wire_bytes in micro:
-        parts = engine(bb)
-        loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
-        engine.backward(loss)
-        engine.step()
-        blocks = int(bb.valid_NK.any(-1).sum())
-        for key, value in (("ce", parts.ce_sum.item()), ("tv", parts.tv_sum.item()),
-                           ("conf", parts.conf_sum.item()), ("aux", parts.aux_loss.item()),
-                           ("trained", int(bb.valid_NK.sum())), ("wire", wire_bytes),
-                           ("useful", stats.useful_block_tokens), ("computed", stats.computed_block_tokens),
-                           ("tau_sum", expected_tau(parts.c_star_NK, bb.valid_NK).item() * blocks if blocks else 0.0),
-                           ("blocks", blocks)):
-            acc[key] += value
-    return acc, global_w
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -140,7 +78,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if cfg.train.zero_stage == 3 and draft.head_w2() is not None:
         deepspeed.zero.register_external_parameter(module, draft.head_w2())
     engine, _, _, scheduler = deepspeed.initialize(
-        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
+        model=module, model_parameters=param_groups(module, cfg),
         config=deepspeed_config(cfg), dist_init_required=not dist.is_initialized())
 
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
@@ -185,30 +123,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         t_data = time.time() - t0
 
         acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
-        ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = _all_reduce_sum(list(acc.values()))
-        for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
-            if not math.isfinite(value):
-                raise FloatingPointError(f"step {step + 1}: the {name} loss is {value}; stopping before any "
-                                         "checkpoint is written (check the learning rate and the target features)")
-        dt = time.time() - t0
-        metrics = {
-            "loss": (cfg.loss.ce_weight * ce + cfg.loss.tv_weight * tv + cfg.loss.conf_weight * conf) / global_w
-            + aux / (world * cfg.train.grad_accum),
-            "loss_ce": ce / global_w, "loss_tv": tv / global_w, "loss_conf": conf / global_w,
-            "lr": scheduler.get_lr()[0] if scheduler is not None else cfg.train.lr,
-            "tokens_per_s": trained / dt, "bytes_per_token": wire / max(trained, 1.0),
-            "packing_density": useful / max(computed, 1.0), "tau_est": tau_sum / max(blocks, 1.0),
-            "trained_tokens": trained, "step_time_s": dt, "data_wait_s": t_data,
-        }
+        metrics = step_metrics(all_reduce_sum(list(acc.values())), global_w, cfg, world, time.time() - t0, t_data,
+                               scheduler.get_lr()[0] if scheduler is not None else cfg.train.lr, step + 1)
         if rank == 0:
             sink.log(step + 1, metrics)
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.max_steps:
                 eta = (time.time() - t_start) / (step + 1 - start_step) * (cfg.train.max_steps - step - 1)
-                log.info("step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | lr %.2e | tok/s %.0f | B/tok %.0f | "
-                         "density %.3f | tau %.3f | dt %.2fs | eta %.0fs", step + 1, cfg.train.max_steps,
-                         metrics["loss"], metrics["loss_ce"], metrics["loss_tv"], metrics["loss_conf"], metrics["lr"],
-                         metrics["tokens_per_s"], metrics["bytes_per_token"], metrics["packing_density"],
-                         metrics["tau_est"], dt, eta)
+                log.info("%s", format_step(step + 1, cfg.train.max_steps, metrics, eta))
             bar.update(1)
         if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == cfg.train.max_steps:
             meta = {"data_position": {"next_batch_index": batch_index_for(step + 1, 0, 0, cfg.train.grad_accum, world),
@@ -233,8 +154,6 @@ def _export(engine: Any, cfg: RunConfig, rank: int, barrier: Any) -> None:
     with deepspeed.zero.GatheredParameters(params, enabled=cfg.train.zero_stage == 3):
         if rank == 0:
             state = {k: v.float() for k, v in draft.state_dict().items()}
-            out = export_draft(state, {"draft": cfg.draft.to_dict(), "target": cfg.target.path,
-                                       "format": "dspark-draft-v1"},
-                               os.path.join(cfg.checkpoint.run_dir, "export"))
+            out = export_draft(state, export_meta(cfg), os.path.join(cfg.checkpoint.run_dir, "export"))
             get_logger("dspark.trainer", rank).info("exported the draft to %s", out)
     barrier()

@@ -1,0 +1,68 @@
+"""`launch/train_v4_draft.py --single-process` (workers/single_process.py) trains a draft end to end on a machine
+where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
+target; bad input is one `error:` line, exit status 2.
+Step-for-step equality of its engine with DeepSpeed's is tests/test_trainer_step.py.
+
+Run: python -m pytest tests/test_single_process.py -q     (about 30 s on 2 cores)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from launch_helpers import REPO, TINY_MOE, quiet_env
+
+from pipeline.metrics import read_jsonl_metrics
+
+SCRIPT = """
+import sys
+sys.modules["ray"] = None          # `import ray` now raises ImportError, as where it is not installed
+sys.modules["deepspeed"] = None
+sys.path.insert(0, {repo!r})
+from launch.train_v4_draft import main
+sys.exit(main(["--single-process", *{args!r}]))
+"""
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    code = SCRIPT.format(repo=str(REPO), args=args)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=quiet_env(), cwd=REPO)
+
+
+def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
+    run_dir = tmp_path / "run"
+    res = _run(["--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=20", "train.lr=3e-3",
+                "train.head_lr_scale=5"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    losses = {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
+    assert sorted(losses) == list(range(1, 21))
+    first, last = sum(losses[s] for s in range(1, 5)) / 4, sum(losses[s] for s in range(17, 21)) / 4
+    assert last < 0.9 * first, (first, last)
+    assert "step 20/20 | loss" in res.stderr
+    assert json.loads((run_dir / "export" / "config.json").read_text())["draft"]["vocab_size"] == 49152
+
+    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
+    from workers.checkpoint import load_exported_draft
+
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
+    assert draft.cfg.head == "markov" and draft.head_w2().abs().max() > 0  # the head trained
+    again = _run(["--run-dir", str(run_dir), *TINY_MOE])  # never overwrites a finished run
+    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.precision=bf16"], "trains in fp32"),
+    (["data.max_len=5"], "must exceed draft.block_size"),
+    (["--resume"], "cannot resume"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, args, message):
+    res = _run(["--run-dir", str(tmp_path / "run"), *TINY_MOE, *args])
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "run" / "export").exists()

@@ -1,0 +1,134 @@
+"""One optimizer step of draft training, shared by the Ray Train + DeepSpeed trainers (workers/trainer.py) and
+the single-process trainer (workers/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is anything
+with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `engine.step()`, stepping the
+optimizer at the gradient-accumulation boundary).
+
+Loss scaling: the engine divides the loss by grad_accum and averages gradients over R ranks; we want the gradient
+of Σ_all numerators / Σ_all weights, so each micro-batch's loss is numerator / global_weight_sum · R · grad_accum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from draft_model.batch import BlockBatch
+from draft_model.config import LossConfig
+from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
+from pipeline.config import RunConfig
+from pipeline.packing import PackStats
+
+
+class DraftWithLoss(nn.Module):
+    """The draft and its loss in one module, so that ZeRO-3 has every parameter gathered while the loss runs."""
+
+    def __init__(self, draft: nn.Module, loss_cfg: LossConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self.loss_cfg = loss_cfg
+
+    def forward(self, batch: BlockBatch) -> LossParts:
+        out = self.draft(batch)
+        target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()]
+        return output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
+                           target_hidden_NKD, batch.valid_NK, self.loss_cfg)
+
+
+def share_moe_load(draft: nn.Module) -> None:
+    """Make every data-parallel replica apply the same loss-free balance-bias update (from the global load)."""
+    from draft_model.moe import MoE
+
+    def global_load(load_E: torch.Tensor) -> torch.Tensor:
+        load_E = load_E.clone()
+        dist.all_reduce(load_E)
+        return load_E
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for m in draft.modules():
+            if isinstance(m, MoE):
+                m.load_reducer = global_load
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], decay_lambda: float,
+                   world: int) -> tuple[dict[str, float], float]:
+    """One optimizer step over this rank's micro-batches (DeepSpeed steps the optimizer after the last one).
+
+    The denominator Σw over every rank's micro-batches is known before any forward (it depends only on the
+    valid masks); each micro-batch's loss is scaled by world·grad_accum/Σw, undoing DeepSpeed's averaging, so the
+    update is the gradient of (Σ numerators)/(Σ w) over the global batch. Returns this rank's metric sums and Σw.
+    """
+    local_w = sum(float(position_weights(bb.valid_NK, decay_lambda).sum()) for bb, _, _ in micro)
+    (global_w,) = all_reduce_sum([local_w])
+    scale = world * len(micro)
+    acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks"),
+                        0.0)
+    for bb, stats, wire_bytes in micro:
+        parts = engine(bb)
+        loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
+        engine.backward(loss)
+        engine.step()
+        blocks = int(bb.valid_NK.any(-1).sum())
+        for key, value in (("ce", parts.ce_sum.item()), ("tv", parts.tv_sum.item()),
+                           ("conf", parts.conf_sum.item()), ("aux", parts.aux_loss.item()),
+                           ("trained", int(bb.valid_NK.sum())), ("wire", wire_bytes),
+                           ("useful", stats.useful_block_tokens), ("computed", stats.computed_block_tokens),
+                           ("tau_sum", expected_tau(parts.c_star_NK, bb.valid_NK).item() * blocks if blocks else 0.0),
+                           ("blocks", blocks)):
+            acc[key] += value
+    return acc, global_w
+
+
+def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
+    """Trainable parameters as optimizer groups: the sequential head's low-rank table (W1, W2) at
+    lr · train.head_lr_scale, everything else at lr. W2 starts at zero, so the head's bias W1[x]·W2 grows from
+    nothing at a rate set by this scale; schedulers scale each group's own lr."""
+    draft = module.draft if isinstance(module, DraftWithLoss) else module
+    head = getattr(draft, "head", None)
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in trainable if id(p) not in head_ids], "lr": cfg.train.lr, "name": "backbone"}]
+    head_params = [p for _, p in trainable if id(p) in head_ids]
+    if head_params:
+        groups.append({"params": head_params, "lr": cfg.train.lr * cfg.train.head_lr_scale, "name": "head"})
+    return [g for g in groups if g["params"]]
+
+
+def step_metrics(totals: list[float], global_w: float, cfg: RunConfig, world: int, dt: float, t_data: float,
+                 lr: float, step: int) -> dict[str, float]:
+    """The logged metrics of one step from the all-reduced sums of `optimizer_step`; stops on a non-finite loss."""
+    ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = totals
+    for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {step}: the {name} loss is {value}; stopping before any "
+                                     "checkpoint is written (check the learning rate and the target features)")
+    return {
+        "loss": (cfg.loss.ce_weight * ce + cfg.loss.tv_weight * tv + cfg.loss.conf_weight * conf) / global_w
+        + aux / (world * cfg.train.grad_accum),
+        "loss_ce": ce / global_w, "loss_tv": tv / global_w, "loss_conf": conf / global_w, "lr": lr,
+        "tokens_per_s": trained / dt, "bytes_per_token": wire / max(trained, 1.0),
+        "packing_density": useful / max(computed, 1.0), "tau_est": tau_sum / max(blocks, 1.0),
+        "trained_tokens": trained, "step_time_s": dt, "data_wait_s": t_data,
+    }
+
+
+def export_meta(cfg: RunConfig) -> dict[str, Any]:
+    """config.json of an export (workers/checkpoint.export_draft): what `load_exported_draft` rebuilds from."""
+    return {"draft": cfg.draft.to_dict(), "target": cfg.target.path, "format": "dspark-draft-v1"}
+
+
+def format_step(step: int, max_steps: int, m: dict[str, float], eta_s: float) -> str:
+    return (f"step {step}/{max_steps} | loss {m['loss']:.4f} (ce {m['loss_ce']:.3f} tv {m['loss_tv']:.3f} "
+            f"conf {m['loss_conf']:.3f}) | lr {m['lr']:.2e} | tok/s {m['tokens_per_s']:.0f} | "
+            f"B/tok {m['bytes_per_token']:.0f} | density {m['packing_density']:.3f} | tau {m['tau_est']:.3f} | "
+            f"dt {m['step_time_s']:.2f}s | eta {eta_s:.0f}s")
