@@ -11,17 +11,26 @@ Every stage is cached in --work-dir, so a re-run resumes where it stopped. The l
 
 Run: python bench/drafters.py --scale cpu      (≤ 2 hours on 2 cores)
      python bench/drafters.py --scale cpu --work-dir runs/drafters-long --steps 300 --drafters dspark dflash
-     python bench/drafters.py --scale gpu      (a lent H200: larger data, longer training, more prompts)
+     python bench/drafters.py --scale gpu --time-budget 480   (one GPU: larger data, longer training)
+The cpu scale trains through Ray + DeepSpeed (2 ZeRO-2 trainers); the gpu scale through the single-process trainer
+(workers/single_process.py, the same step and an engine that updates exactly as DeepSpeed's), so it also runs on a
+machine without Ray or DeepSpeed; `--trainer` picks either. With --time-budget, the gpu scale times a few steps
+of each drafter first and trains all of them for the same number of steps that fits about half the budget left
+after the data stage; the evaluation gets the rest and stops starting prompts, for every drafter alike, when it
+runs out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -32,18 +41,20 @@ from pipeline.metrics import get_logger  # noqa: E402
 SCALES = {
     # prompts regenerated, reply budget, row length, training steps, eval prompts per set, eval reply budget
     "cpu": dict(train_prompts=400, regen_max_new=256, max_len=448, steps=100, eval_prompts=6, eval_max_new=64,
-                brief=" Keep the answer short: a few sentences at most.",
-                draft_layers=1, samples_per_batch=2, anchors_per_seq=32, trainers=2, use_gpu=False, regen_workers=2),
-    "gpu": dict(train_prompts=6000, regen_max_new=512, max_len=1024, steps=3000, eval_prompts=40, eval_max_new=256,
-                brief="",
-                draft_layers=2, samples_per_batch=8, anchors_per_seq=64, trainers=1, use_gpu=True, regen_workers=1),
+                brief=" Keep the answer short: a few sentences at most.", regen_batch=8, regen_ray=True,
+                draft_layers=1, samples_per_batch=2, anchors_per_seq=32, trainers=2, use_gpu=False, regen_workers=2,
+                trainer="ray", head_lr_scale=10.0, target_dtype="float32"),
+    "gpu": dict(train_prompts=1600, regen_max_new=384, max_len=768, steps=3000, eval_prompts=40, eval_max_new=128,
+                brief="", regen_batch=200, regen_ray=False,
+                draft_layers=2, samples_per_batch=16, anchors_per_seq=48, trainers=1, use_gpu=True, regen_workers=1,
+                trainer="single", head_lr_scale=10.0, target_dtype="bfloat16"),
 }
 GAMMA = 7  # the paper's comparison setting (block 7, τ counting the bonus token)
 DRAFTERS = {
     # name -> draft overrides on top of a preset; DSpark = DFlash's backbone + Markov head, same context layers
     "dspark": ["draft.preset=dspark-markov", "draft.target_layers=[1,27]", "draft.head_rank=128"],
     "dflash": ["draft.preset=dflash", "draft.target_layers=[1,27]"],
-    "eagle3": ["draft.preset=eagle3", "draft.target_layers=[2,15,27]"],
+    "eagle3": ["draft.preset=eagle3", "draft.target_layers=[2,15,27]", "draft.num_layers=1"],  # one layer, by design
 }
 
 
@@ -64,50 +75,91 @@ def stage_data(work: Path, s: dict, log) -> Path:
         prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     cmd = [sys.executable, str(REPO / "launch" / "prepare_data.py"), "--input", str(prompts), "--out", str(out),
            "--target", "smollm2", "--max-len", str(s["max_len"]), "--regenerate", "--temperature", "0.8",
-           "--top-p", "0.95", "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", "8", "--shard-size", "64",
-           # one target worker per core (each single-threaded) beats one process with all threads on a busy CPU
-           "--ray", "--num-workers", str(s["regen_workers"])]
+           "--top-p", "0.95", "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", str(s["regen_batch"]),
+           "--shard-size", str(8 * s["regen_batch"])]
+    if s["regen_ray"]:  # one target worker per core (each single-threaded) beats one process on a busy CPU
+        cmd += ["--ray", "--num-workers", str(s["regen_workers"])]
     log.info("data: regenerating %d replies with the target", s["train_prompts"])
     subprocess.run(cmd, cwd=REPO, check=True)
     return out
 
 
-def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
-    from launch.train_v4_draft import connect_ray
+def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int):
     from pipeline.config import load_config
+
+    common = [
+        "target.path=smollm2", f"data.source={data}", "data.num_samples=1000000", f"data.max_len={s['max_len']}",
+        f"data.samples_per_batch={s['samples_per_batch']}", f"data.anchors_per_seq={s['anchors_per_seq']}",
+        f"draft.block_size={GAMMA}", f"draft.num_layers={s['draft_layers']}", "draft.num_heads=9",
+        "draft.num_kv_heads=3", "draft.head_dim=64", f"train.max_steps={steps}", "train.lr=1e-3",
+        "train.warmup_steps=10", f"train.head_lr_scale={s['head_lr_scale']}", f"cluster.num_trainers={s['trainers']}",
+        f"cluster.use_gpu={str(s['use_gpu']).lower()}", f"checkpoint.run_dir={run_dir}", "checkpoint.every_steps=40",
+        "train.log_every=" + ("1" if s["trainer"] == "ray" else "50"),
+        "train.precision=" + ("bf16" if s["use_gpu"] and s["trainer"] == "ray" else "fp32"),
+        f"target.dtype={s['target_dtype']}",
+    ]
+    if s["use_gpu"]:
+        # The first H200 run (80 steps fit in its budget) took 0.87 s/step: bigger loss chunks and one target
+        # forward per batch cut kernel launches; whether they are enough is for the next lent device to measure.
+        common += ["loss.chunk_rows=1024", "target.max_tokens_per_forward=16384"]
+    return load_config(REPO / "launch" / "configs" / "tiny.yaml", [*common, *DRAFTERS[name], *s.get("overrides", [])])
+
+
+def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
     from workers.checkpoint import CheckpointManager
-    from workers.orchestrate import run_training
 
     run_dir = work / "runs" / name
     if (run_dir / "export" / "config.json").is_file():
         log.info("train %s: reusing %s", name, run_dir / "export")
         return run_dir / "export"
-    common = [
-        "target.path=smollm2", f"data.source={data}", "data.num_samples=1000000", f"data.max_len={s['max_len']}",
-        f"data.samples_per_batch={s['samples_per_batch']}", f"data.anchors_per_seq={s['anchors_per_seq']}",
-        f"draft.block_size={GAMMA}", f"draft.num_layers={s['draft_layers']}", "draft.num_heads=9",
-        "draft.num_kv_heads=3", "draft.head_dim=64", f"train.max_steps={s['steps']}", "train.lr=1e-3",
-        "train.warmup_steps=10", f"cluster.num_trainers={s['trainers']}",
-        f"cluster.use_gpu={str(s['use_gpu']).lower()}", f"checkpoint.run_dir={run_dir}", "checkpoint.every_steps=40",
-        "train.precision=" + ("bf16" if s["use_gpu"] else "fp32"),
-    ]
-    cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml", [*common, *DRAFTERS[name]])
-    import ray
-
+    cfg = run_config(data, s, name, run_dir, s["steps"])
     t0 = time.time()
-    try:
-        run_training(cfg, CheckpointManager(run_dir).latest(), connect=lambda: connect_ray(cfg), log=log)
-    finally:
-        ray.shutdown()
+    if s["trainer"] == "single":
+        from workers.single_process import train_single_process
+
+        train_single_process(cfg, log)
+    else:
+        import ray
+
+        from launch.train_v4_draft import connect_ray
+        from workers.orchestrate import run_training
+
+        try:
+            run_training(cfg, CheckpointManager(run_dir).latest(), connect=lambda: connect_ray(cfg), log=log)
+        finally:
+            ray.shutdown()
     log.info("train %s: %.0f s", name, time.time() - t0)
     return run_dir / "export"
+
+
+def calibrate_steps(work: Path, data: Path, s: dict, drafters: list[str], budget_s: float, log) -> int:
+    """Training steps per drafter that fit `budget_s` for all of them, from a short timed run of each."""
+    from pipeline.metrics import read_jsonl_metrics
+    from workers.single_process import train_single_process
+
+    probe_steps, total = 12, 0.0
+    for name in drafters:
+        run_dir = work / "calibrate" / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        t0 = time.time()
+        train_single_process(run_config(data, s, name, run_dir, probe_steps), log)
+        wall = time.time() - t0
+        steps = read_jsonl_metrics(run_dir / "metrics.jsonl")
+        per_step = sum(steps[i]["step_time_s"] for i in range(3, probe_steps + 1)) / (probe_steps - 2)
+        setup = wall - sum(r["step_time_s"] for r in steps.values())
+        log.info("calibrate %s: %.3f s/step, %.0f s setup", name, per_step, setup)
+        budget_s -= wall + setup  # this probe, and the real run's own setup
+        total += per_step
+    fit = int(budget_s / total) if total > 0 else s["steps"]
+    return max(20, min(s["steps"], fit))
 
 
 def stage_eval(work: Path, exports: dict[str, Path], s: dict, log) -> list[dict]:
     from launch.evaluate_draft import evaluate_exports
 
     return evaluate_exports(exports, "smollm2", ["humaneval", "gsm8k", "mtbench"], s["eval_prompts"],
-                            s["eval_max_new"], s["temperatures"], work / "eval", "cuda" if s["use_gpu"] else "cpu", log)
+                            s["eval_max_new"], s["temperatures"], work / "eval", "cuda" if s["use_gpu"] else "cpu", log,
+                            time_limit_s=s.get("eval_budget"))
 
 
 def main() -> None:
@@ -116,22 +168,49 @@ def main() -> None:
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
     ap.add_argument("--steps", type=int, default=0, help="training steps per drafter (default: the scale's)")
+    ap.add_argument("--scale-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="change an entry of the scale (see SCALES), e.g. train_prompts=64 eval_prompts=2")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra run-config overrides for every drafter, e.g. train.lr=2e-3")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
+    ap.add_argument("--trainer", choices=["ray", "single"], help="default: the scale's (cpu: ray, gpu: single)")
+    ap.add_argument("--head-lr-scale", type=float, help="train.head_lr_scale for every drafter (default: the scale's)")
+    ap.add_argument("--time-budget", type=float, default=0, metavar="SECONDS",
+                    help="fit training steps and evaluation into this wall time (single-process trainer only)")
     args = ap.parse_args()
     s = dict(SCALES[args.scale])
+    for item in args.scale_set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in s:
+            ap.error(f"--scale-set {item!r}: use KEY=VALUE with KEY one of {sorted(s)}")
+        s[key] = type(s[key])(yaml.safe_load(value)) if not isinstance(s[key], str) else value
     if args.steps:
         s["steps"] = args.steps
     s["temperatures"] = args.temperatures
+    s["overrides"] = args.set
+    s["trainer"] = args.trainer or s["trainer"]
+    if args.head_lr_scale is not None:
+        s["head_lr_scale"] = args.head_lr_scale
+    if args.time_budget and s["trainer"] != "single":
+        ap.error("--time-budget needs the single-process trainer (--trainer single)")
     work = Path(args.work_dir or REPO / "runs" / f"drafters-{args.scale}").resolve()
     log = get_logger("bench.drafters")
     t_all = time.time()
     data = stage_data(work, s, log)
+    if args.time_budget and not args.steps:
+        left = args.time_budget - (time.time() - t_all)
+        s["steps"] = calibrate_steps(work, data, s, args.drafters, 0.5 * left, log)
+        log.info("time budget: %d training steps per drafter", s["steps"])
     exports = {name: stage_train(work, data, s, name, log) for name in args.drafters}
+    if args.time_budget:
+        s["eval_budget"] = max(30.0, args.time_budget - (time.time() - t_all) - 20)
     results = stage_eval(work, exports, s, log)
 
     table, macro = tau_table(results)
-    print(f"\nscale {args.scale}: {s['steps']} training steps per drafter, γ={GAMMA}, "
-          f"{s['eval_prompts']} prompts per set, wall {time.time() - t_all:.0f} s (stages cached in {work})")
+    ran = sorted({m["num_prompts"] for r in results for m in r["datasets"].values()})
+    print(f"\nscale {args.scale}: {s['steps']} training steps per drafter ({s['trainer']} trainer), γ={GAMMA}, "
+          f"{'/'.join(map(str, ran))} of {s['eval_prompts']} prompts per set, {s['eval_max_new']} new tokens, "
+          f"wall {time.time() - t_all:.0f} s (stages cached in {work})")
     print(table)
     if all((n, 1.0) in macro for n in ("dspark", "dflash", "eagle3")):
         print(f"tau_ratio dspark/dflash={macro[('dspark', 1.0)] / macro[('dflash', 1.0)]:.3f} "
