@@ -35,15 +35,11 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
 
 
 def load_samples(cfg: RunConfig, target_path: Path) -> list:
-    from transformers import AutoTokenizer
-
     from pipeline.corpus import default_corpus, load_jsonl_corpus
     from pipeline.data_stage import load_parquet_corpus
+    from pipeline.target_model import load_tokenizer
 
-    if target_path.is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(target_path.parent), gguf_file=target_path.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    tokenizer = load_tokenizer(target_path)
     try:
         if cfg.data.source == "default":
             samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)

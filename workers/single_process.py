@@ -27,14 +27,15 @@ from draft_model.batch import BlockBatch
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, save_config
 from pipeline.metrics import JsonlSink
-from pipeline.order import batch_index_for, batch_sample_ids, batches_per_epoch
-from pipeline.packing import PackStats, pack
+from pipeline.order import batch_index_for, batch_sample_ids
+from pipeline.packing import PackStats
 from workers.checkpoint import export_draft
 from workers.train_step import (
     DraftWithLoss,
     export_meta,
     format_step,
     optimizer_step,
+    pack_micro_batch,
     param_groups,
     step_metrics,
 )
@@ -123,7 +124,6 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     log.info("single-process training of a %s draft (%d layers, head %s, gamma %d) on %s for %d steps; %d samples",
              cfg.draft.arch, cfg.draft.num_layers, cfg.draft.head, cfg.draft.block_size, dev, cfg.train.max_steps,
              len(samples))
-    per_epoch = batches_per_epoch(len(samples), cfg.data.samples_per_batch)
     t_start = time.time()
     try:
         for step in range(cfg.train.max_steps):
@@ -133,10 +133,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
                 b = batch_index_for(step, m, 0, cfg.train.grad_accum, 1)
                 ids = batch_sample_ids(b, len(samples), cfg.data.samples_per_batch, cfg.data.seed)
                 fb = worker.encode(b, [samples[i] for i in ids])
-                wire_bytes = fb.nbytes()
-                bb, stats = pack([fb.decode(torch.float32)], cfg.draft.block_size, cfg.data.anchors_per_seq,
-                                 cfg.data.seed + b // per_epoch)
-                micro.append((bb.to(dev), stats, wire_bytes))
+                micro.append(pack_micro_batch(fb, b, cfg, len(samples), torch.float32, dev))
             t_data = time.time() - t0
             acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, 1)
             if dev.type == "cuda":

@@ -20,7 +20,9 @@ from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
 from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
 from pipeline.config import RunConfig
-from pipeline.packing import PackStats
+from pipeline.contracts import FeatureBatch
+from pipeline.order import batches_per_epoch
+from pipeline.packing import PackStats, pack
 
 
 class DraftWithLoss(nn.Module):
@@ -60,6 +62,17 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def pack_micro_batch(fb: FeatureBatch, batch_index: int, cfg: RunConfig, num_samples: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[BlockBatch, PackStats, int]:
+    """The feature batch consumed as global batch `batch_index` -> (BlockBatch on `device`, its pack stats, bytes it
+    took on the wire). Anchors are a pure function of (seed, epoch, sample id), so they change per epoch but never
+    per rank or trainer kind. (With data.replay_batches, fb is a replayed batch: the epoch is still `batch_index`'s.)"""
+    wire_bytes = fb.nbytes()
+    epoch = batch_index // batches_per_epoch(num_samples, cfg.data.samples_per_batch)
+    bb, stats = pack([fb.decode(dtype)], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch)
+    return bb.to(device), stats, wire_bytes
+
+
 def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], decay_lambda: float,
                    world: int) -> tuple[dict[str, float], float]:
     """One optimizer step over this rank's micro-batches (DeepSpeed steps the optimizer after the last one).
@@ -96,9 +109,9 @@ def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     draft = module.draft if isinstance(module, DraftWithLoss) else module
     head = getattr(draft, "head", None)
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for _, p in trainable if id(p) not in head_ids], "lr": cfg.train.lr, "name": "backbone"}]
-    head_params = [p for _, p in trainable if id(p) in head_ids]
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if id(p) not in head_ids], "lr": cfg.train.lr, "name": "backbone"}]
+    head_params = [p for p in trainable if id(p) in head_ids]
     if head_params:
         groups.append({"params": head_params, "lr": cfg.train.lr * cfg.train.head_lr_scale, "name": "head"})
     return [g for g in groups if g["params"]]

@@ -23,8 +23,8 @@ from draft_model.batch import BlockBatch
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
-from pipeline.order import batch_index_for, batches_per_epoch
-from pipeline.packing import PackStats, pack
+from pipeline.order import batch_index_for
+from pipeline.packing import PackStats
 from workers.checkpoint import CheckpointManager, export_draft
 from workers.train_step import (
     DraftWithLoss,
@@ -32,6 +32,7 @@ from workers.train_step import (
     export_meta,
     format_step,
     optimizer_step,
+    pack_micro_batch,
     param_groups,
     share_moe_load,
     step_metrics,
@@ -113,13 +114,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         for m in range(cfg.train.grad_accum):
             b = batch_index_for(step, m, rank, cfg.train.grad_accum, world)
             (ref,) = ray.get(service.get.remote(b))
-            fb = ray.get(ref)
-            wire_bytes = fb.nbytes()
-            fb = fb.decode(dtype)
-            # anchors: a pure function of (seed, epoch, sample id), so they change per epoch but never per rank
-            epoch = b // batches_per_epoch(num_samples, cfg.data.samples_per_batch)
-            bb, stats = pack([fb], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch)
-            micro.append((bb.to(device), stats, wire_bytes))
+            micro.append(pack_micro_batch(ray.get(ref), b, cfg, num_samples, dtype, device))
         t_data = time.time() - t0
 
         acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
