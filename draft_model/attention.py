@@ -1,17 +1,23 @@
 """Block attention with injected target context (DFlash/DSpark).
 
 Queries come from the block's γ slots only; keys/values are [W_K H_ctx_window ; W_K h_block] (V likewise), so
-every layer re-reads the projected target context. Each block gathers its own context rows densely
-(BlockBatch.context_window: [N, W] indices + valid mask) and attends with one boolean mask over the W + K keys,
-batched over all blocks: no per-block Python loop. A block sees its own sequence's context strictly before its
-anchor (and within the sliding window), its own slots bidirectionally, and never another block: the other
-blocks' slots are simply not among its keys.
+every layer re-reads the projected target context. A block sees its own sequence's context strictly before its
+anchor (and within the sliding window), its own slots bidirectionally, and never another block.
 
-Context keys are projected and rotated once per token (T rows) and then gathered, which is cheaper than
-projecting N*W gathered rows when blocks of one sequence share context (the usual case).
+Two implementations of the same attention (`draft.attn_impl`), proven equal by tests/test_attention_paths.py:
+- "packed" (default): blocks are grouped (block_layout.py: a sequence per group for full context, a block per
+  group for SWA); each group's context keys are one contiguous range of rows read by all its blocks, so K/V are
+  copied about once per token instead of once per block, and one [R, 1, Q, L] mask built on the host once per
+  forward serves every layer. SDPA over it runs torch's flash kernel on CPU (mask + GQA, forward and backward).
+- "gather": the reference. Each block gathers its own window densely (BlockBatch.context_window: [N, W] rows),
+  N x W key rows per layer: fine for SWA, prohibitive for full context at production lengths.
+
+Context keys are projected and rotated once per token (T rows) in either path; RoPE's cos/sin tables are built
+once per forward (AttnContext) and shared by every layer.
 
 Legend: T tokens in the batch, N blocks, K block size γ, W context window width (widest in batch),
-D hidden, H query heads, G key/value heads, E head dim.
+D hidden, H query heads, G key/value heads, E head dim; packed path: R groups, B blocks per group, C context
+rows per group, Q = B*K query rows, L = C + Q keys.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draft_model.batch import BlockBatch
+from draft_model.block_layout import GroupLayout, group_layout
 from draft_model.config import DraftConfig
-from draft_model.rope import RotaryEmbedding
+from draft_model.rope import RotaryEmbedding, apply_rope, rope_tables
 
 
 @dataclass
@@ -31,20 +39,35 @@ class AttnContext:
     """Everything attention needs besides the block hidden states; built once per forward, shared by layers."""
 
     ctx_TD: torch.Tensor  # fused target context H_ctx per token
-    pos_T: torch.Tensor  # int64 position of each token inside its sequence
-    index_NW: torch.Tensor  # int64 flat token row of each context key of each block (0 where invalid)
-    slot_pos_NK: torch.Tensor  # int64 absolute position p + k of each block slot
-    mask_N1KL: torch.Tensor  # bool [N, 1, K, W + K]: True = may attend
+    rope_ctx: tuple[torch.Tensor, torch.Tensor]  # cos/sin [T, 1, E] at each token's position in its sequence
+    rope_slot: tuple[torch.Tensor, torch.Tensor]  # cos/sin [N, K, 1, E] at each block slot's position p + k
+    layout: GroupLayout | None = None  # "packed" path
+    index_NW: torch.Tensor | None = None  # "gather" path: flat token row of each context key (0 where invalid)
+    mask_N1KL: torch.Tensor | None = None  # "gather" path: bool [N, 1, K, W + K], True = may attend
 
     @staticmethod
-    def build(ctx_TD: torch.Tensor, pos_T: torch.Tensor, index_NW: torch.Tensor, valid_NW: torch.Tensor,
-              slot_pos_NK: torch.Tensor) -> AttnContext:
-        N, K = slot_pos_NK.shape
-        W = index_NW.shape[1]
+    def build(batch: BlockBatch, ctx_TD: torch.Tensor, cfg: DraftConfig) -> AttnContext:
+        E = cfg.resolved_head_dim
+        pos_T = token_positions_T(batch.seq_start_S1, ctx_TD.shape[0])
+        rope_ctx = rope_tables(pos_T, E, cfg.rope_theta)
+        rope_slot = rope_tables(batch.slot_positions_NK(), E, cfg.rope_theta)
+        if cfg.attn_impl == "packed":
+            layout = group_layout(batch.host_index(), cfg.sliding_window, cfg.block_size, ctx_TD.device)
+            return AttnContext(ctx_TD, rope_ctx, rope_slot, layout=layout)
+        index_NW, _, valid_NW = batch.context_window(cfg.sliding_window)
+        N, K, W = index_NW.shape[0], cfg.block_size, index_NW.shape[1]
         ctx_mask_NKW = valid_NW[:, None, :].expand(N, K, W)
         block_mask_NKK = torch.ones(N, K, K, dtype=torch.bool, device=valid_NW.device)  # bidirectional
         mask = torch.cat([ctx_mask_NKW, block_mask_NKK], dim=-1)[:, None]
-        return AttnContext(ctx_TD, pos_T, index_NW, slot_pos_NK, mask)
+        return AttnContext(ctx_TD, rope_ctx, rope_slot, index_NW=index_NW, mask_N1KL=mask)
+
+
+def token_positions_T(seq_start_S1: torch.Tensor, T: int) -> torch.Tensor:
+    """Position of every flat token inside its own sequence (T passed in: no device->host sync)."""
+    lengths_S = seq_start_S1[1:] - seq_start_S1[:-1]
+    seq_T = torch.repeat_interleave(torch.arange(lengths_S.numel(), device=seq_start_S1.device), lengths_S,
+                                    output_size=T)
+    return torch.arange(T, device=seq_start_S1.device) - seq_start_S1[seq_T]
 
 
 class GQAProjections(nn.Module):
@@ -66,15 +89,36 @@ class ContextBlockAttention(GQAProjections):
         N, K, _ = x_NKD.shape
         H, G, E = self.num_heads, self.num_kv_heads, self.head_dim
         T = ctx.ctx_TD.shape[0]
-        q_NKHE = self.rope(self.q_proj(x_NKD).view(N, K, H, E), ctx.slot_pos_NK)
-        kb_NKGE = self.rope(self.k_proj(x_NKD).view(N, K, G, E), ctx.slot_pos_NK)
+        q_NKHE = apply_rope(self.q_proj(x_NKD).view(N, K, H, E), ctx.rope_slot)
+        kb_NKGE = apply_rope(self.k_proj(x_NKD).view(N, K, G, E), ctx.rope_slot)
         vb_NKGE = self.v_proj(x_NKD).view(N, K, G, E)
-        # context keys at their own absolute positions, computed per token, then gathered per block
-        kc_TGE = self.rope(self.k_proj(ctx.ctx_TD).view(T, G, E), ctx.pos_T)
+        # context keys at their own absolute positions, computed once per token, then laid out per block/group
+        kc_TGE = apply_rope(self.k_proj(ctx.ctx_TD).view(T, G, E), ctx.rope_ctx)
         vc_TGE = self.v_proj(ctx.ctx_TD).view(T, G, E)
-        k_NLGE = torch.cat([kc_TGE[ctx.index_NW], kb_NKGE], dim=1)
-        v_NLGE = torch.cat([vc_TGE[ctx.index_NW], vb_NKGE], dim=1)
-        out_NHKE = F.scaled_dot_product_attention(
-            q_NKHE.transpose(1, 2), k_NLGE.transpose(1, 2), v_NLGE.transpose(1, 2),
-            attn_mask=ctx.mask_N1KL, enable_gqa=H != G)
-        return self.o_proj(out_NHKE.transpose(1, 2).reshape(N, K, H * E))
+        if ctx.layout is not None:
+            out_NKHE = self._packed(q_NKHE, kb_NKGE, vb_NKGE, kc_TGE, vc_TGE, ctx.layout)
+        else:
+            k_NLGE = torch.cat([kc_TGE[ctx.index_NW], kb_NKGE], dim=1)
+            v_NLGE = torch.cat([vc_TGE[ctx.index_NW], vb_NKGE], dim=1)
+            out_NHKE = F.scaled_dot_product_attention(
+                q_NKHE.transpose(1, 2), k_NLGE.transpose(1, 2), v_NLGE.transpose(1, 2),
+                attn_mask=ctx.mask_N1KL, enable_gqa=H != G)
+            out_NKHE = out_NHKE.transpose(1, 2)
+        return self.o_proj(out_NKHE.reshape(N, K, H * E))
+
+    def _packed(self, q_NKHE: torch.Tensor, kb_NKGE: torch.Tensor, vb_NKGE: torch.Tensor, kc_TGE: torch.Tensor,
+                vc_TGE: torch.Tensor, lay: GroupLayout) -> torch.Tensor:
+        N, K, H, E = q_NKHE.shape
+        G = kb_NKGE.shape[2]
+        R, B = lay.block_RB.shape
+
+        def per_group(x_NK__: torch.Tensor) -> torch.Tensor:  # [N, K, h, E] -> [R, B*K, h, E], zero pad row N
+            padded = torch.cat([x_NK__, x_NK__.new_zeros((1,) + x_NK__.shape[1:])])
+            return padded[lay.block_RB].reshape(R, B * K, x_NK__.shape[2], E)
+
+        k_RLGE = torch.cat([kc_TGE[lay.key_row_RC], per_group(kb_NKGE)], dim=1)
+        v_RLGE = torch.cat([vc_TGE[lay.key_row_RC], per_group(vb_NKGE)], dim=1)
+        out_RHQE = F.scaled_dot_product_attention(
+            per_group(q_NKHE).transpose(1, 2), k_RLGE.transpose(1, 2), v_RLGE.transpose(1, 2),
+            attn_mask=lay.mask_R1QL, enable_gqa=H != G)
+        return out_RHQE.transpose(1, 2).reshape(R * B, K, H, E)[lay.slot_of_N]

@@ -20,7 +20,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class BlockHost:
+    """Host (numpy) copies of the small index arrays, as the packer built them: the attention layout and the loss
+    denominator are computed from these without a device->host sync. Only shapes' worth of ints, never features."""
+
+    seq_start_S1: np.ndarray  # int64 [S+1]
+    block_seq_N: np.ndarray  # int64 [N]
+    anchor_pos_N: np.ndarray  # int64 [N]
+    valid_len_N: np.ndarray  # int64 [N] length of each block's contiguous valid prefix
+
+    @staticmethod
+    def of(seq_start_S1, block_seq_N, anchor_pos_N, valid_NK) -> BlockHost:
+        def arr(t) -> np.ndarray:
+            return (t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)).astype(np.int64)
+        return BlockHost(arr(seq_start_S1), arr(block_seq_N), arr(anchor_pos_N), arr(valid_NK).sum(-1))
 
 
 @dataclass(frozen=True)
@@ -32,13 +50,25 @@ class BlockBatch:
     block_seq_N: torch.Tensor  # int64 [N] sequence index of each block
     anchor_pos_N: torch.Tensor  # int64 [N] anchor position p inside its sequence
     valid_NK: torch.Tensor  # bool [N, K] contiguous valid prefix of each block's predictions
+    host: BlockHost | None = None  # set by the packer; derived (one sync) by `host_index()` when absent
 
     def __post_init__(self) -> None:
         T = self.input_ids_T.shape[0]
         N, K = self.valid_NK.shape
         assert self.ctx_feats_TF.shape[0] == T and self.final_hidden_TD.shape[0] == T, "feature rows != tokens"
         assert self.block_seq_N.shape == (N,) and self.anchor_pos_N.shape == (N,)
-        assert self.seq_start_S1.ndim == 1 and int(self.seq_start_S1[-1]) == T, "seq_start must end at T"
+        assert self.seq_start_S1.ndim == 1, "seq_start must be 1-D"
+        if self.seq_start_S1.device.type == "cpu":  # (on an accelerator this check would be a host sync)
+            assert int(self.seq_start_S1[-1]) == T, "seq_start must end at T"
+        if self.host is not None and self.anchor_pos_N.device.type == "cpu" and not self._host_matches():
+            object.__setattr__(self, "host", None)  # e.g. `dataclasses.replace` of the index tensors: re-derive
+
+    def _host_matches(self) -> bool:
+        h = self.host
+        return (np.array_equal(h.seq_start_S1, self.seq_start_S1.numpy())
+                and np.array_equal(h.block_seq_N, self.block_seq_N.numpy())
+                and np.array_equal(h.anchor_pos_N, self.anchor_pos_N.numpy())
+                and np.array_equal(h.valid_len_N, self.valid_NK.sum(-1).numpy()))
 
     @property
     def num_blocks(self) -> int:
@@ -53,8 +83,17 @@ class BlockBatch:
         moved = {}
         for f in fields(self):
             t = getattr(self, f.name)
+            if not isinstance(t, torch.Tensor):
+                continue
             moved[f.name] = t.to(device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
         return replace(self, **moved)
+
+    def host_index(self) -> BlockHost:
+        """The host copies of the index arrays (built here, with one device->host copy, if the packer did not)."""
+        if self.host is None:
+            object.__setattr__(self, "host", BlockHost.of(self.seq_start_S1, self.block_seq_N, self.anchor_pos_N,
+                                                          self.valid_NK))
+        return self.host
 
     # ---- derived indices (flat positions into the T axis) -------------------------------------------------
 

@@ -60,6 +60,7 @@ class DraftConfig:
     mhc_streams: int = 4  # n residual streams for mHC
     mhc_sinkhorn_iters: int = 20
     sliding_window: int = 0  # context tokens before the anchor a block may see; 0 = all
+    attn_impl: str = "packed"  # "packed" (grouped context, attention.py) | "gather" (the per-block reference)
     head: str = "markov"  # sequential head: "none" | "markov" | "rnn"
     head_rank: int = 256  # r of the low-rank V x V transition (Markov) / bias projection (RNN)
     rnn_state_size: int = 256
@@ -86,6 +87,8 @@ class DraftConfig:
             raise ValueError(f"draft.head must be 'none', 'markov' or 'rnn', got {self.head!r}")
         if not self.target_layers:
             raise ValueError("draft.target_layers must name at least one target layer (-1 = final hidden state)")
+        if self.attn_impl not in ("packed", "gather"):
+            raise ValueError(f"draft.attn_impl must be 'packed' or 'gather', got {self.attn_impl!r}")
         if self.sliding_window < 0:
             raise ValueError(f"draft.sliding_window must be >= 0, got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
@@ -130,7 +133,7 @@ class LossConfig:
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     decay_lambda: float = 4.0  # w_k = exp(-(k-1)/lambda), k = 1..gamma
-    chunk_rows: int = 64  # block positions whose vocabulary-sized tensors are alive at once
+    chunk_rows: int = 256  # block positions whose vocabulary-sized tensors are alive at once
 
     def validate(self) -> None:
         if self.decay_lambda <= 0:

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from draft_model.attention import GQAProjections
+from draft_model.attention import GQAProjections, token_positions_T
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.ffn import SwiGLU
-from draft_model.layers import token_positions_T
 from draft_model.model import DraftOutput, register_frozen_target_weights, resolve_cfg
 from draft_model.registry import register_draft
 from draft_model.sampling import probs_at_temperature
@@ -158,7 +157,7 @@ class Eagle3Draft(nn.Module):
         # neighbour's (or its own) id, harmless because it is never a context key (keys stop at p-2 <= len-3)
         next_T = ids_T[torch.clamp(torch.arange(1, T + 1, device=ids_T.device), max=max(T - 1, 0))]
         k_TGE, v_TGE = self.attn.keys_values(self.attn_norm(self._input(next_T, g_TD)),
-                                             token_positions_T(batch.seq_start_S1))
+                                             token_positions_T(batch.seq_start_S1, T))
         p_N = batch.anchor_pos_N
         index_NW, pos_NW, valid_NW = batch.context_window(self.cfg.sliding_window)
         valid_NW = valid_NW & (pos_NW < (p_N - 1)[:, None])  # p-1 is step 0 itself, a query of the block

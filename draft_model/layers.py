@@ -56,15 +56,6 @@ class DecoderLayer(nn.Module):
         return x + y, aux_a + aux_f
 
 
-def token_positions_T(seq_start_S1: torch.Tensor) -> torch.Tensor:
-    """Position of every flat token inside its own sequence."""
-    lengths_S = seq_start_S1[1:] - seq_start_S1[:-1]
-    T = int(seq_start_S1[-1])
-    seq_T = torch.repeat_interleave(torch.arange(lengths_S.numel(), device=seq_start_S1.device), lengths_S,
-                                    output_size=T)
-    return torch.arange(T, device=seq_start_S1.device) - seq_start_S1[seq_T]
-
-
 class DraftBackbone(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -88,9 +79,7 @@ class DraftBackbone(nn.Module):
             raise ValueError(f"BlockBatch has block size {batch.block_size}, the draft was built for {K}")
         dtype = self.mask_embed_D.dtype
         ctx_TD = self.ctx_norm(self.ctx_proj(batch.ctx_feats_TF.to(dtype)))
-        index_NW, _, valid_NW = batch.context_window(self.cfg.sliding_window)
-        ctx = AttnContext.build(ctx_TD, token_positions_T(batch.seq_start_S1), index_NW, valid_NW,
-                                batch.slot_positions_NK())
+        ctx = AttnContext.build(batch, ctx_TD, self.cfg)
 
         anchor_ND = embed_VD[batch.anchor_ids_N()].to(dtype)
         N = anchor_ND.shape[0]

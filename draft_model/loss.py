@@ -99,10 +99,10 @@ def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor
     return z_CV.to(_acc_dtype(z_CV.dtype))
 
 
-def _grad_logits(p_CV: Tensor, pt_CV: Tensor, labels_C: Tensor, g_ce_C: Tensor, g_l1_C: Tensor) -> Tensor:
-    """g_ce·(p − y) + g_l1·p⊙(s − <s,p>), s = sign(p − p_t); overwrites p_CV (built in place: few live C·V)."""
-    s_CV = torch.sign(p_CV - pt_CV)
-    s_CV -= (s_CV * p_CV).sum(-1, keepdim=True)
+def _grad_logits(p_CV: Tensor, s_CV: Tensor, labels_C: Tensor, g_ce_C: Tensor, g_l1_C: Tensor) -> Tensor:
+    """g_ce·(p − y) + g_l1·p⊙(s − <s,p>), s = sign(p − p_t); overwrites p_CV and s_CV (built in place: few live
+    C·V buffers)."""
+    s_CV -= torch.linalg.vecdot(s_CV, p_CV).unsqueeze(-1)
     grad_z_CV = s_CV.mul_(p_CV).mul_(g_l1_C[:, None])
     grad_z_CV.add_(p_CV.mul_(g_ce_C[:, None]))
     return grad_z_CV.scatter_add_(-1, labels_C[:, None], -g_ce_C[:, None])
@@ -134,9 +134,11 @@ class _VocabRowsLoss(torch.autograd.Function):
             pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
             ce_M[c] = -logp_CV.gather(-1, labels_M[c, None]).squeeze(-1)
             p_CV = logp_CV.exp_()
-            l1_M[c] = (p_CV - pt_CV).abs().sum(-1)
+            d_CV = pt_CV.neg_().add_(p_CV)  # p_d − p_t in p_t's buffer (p_t is not needed again)
+            l1_M[c] = d_CV.abs().sum(-1)
             if grads is not None:
-                grads.add(c, _grad_logits(p_CV, pt_CV, labels_M[c], gw_ce_M[c], gw_l1_M[c]), lm_head_VD, a_CR)
+                grads.add(c, _grad_logits(p_CV, d_CV.sign_(), labels_M[c], gw_ce_M[c], gw_l1_M[c]), lm_head_VD,
+                          a_CR)
         ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M)
         ctx.chunk_rows, ctx.grads = chunk_rows, grads
         return ce_M, l1_M
@@ -163,8 +165,8 @@ class _VocabRowsLoss(torch.autograd.Function):
             c = slice(lo, lo + ctx.chunk_rows)
             a_CR = None if a_MR is None else a_MR[c]
             p_CV = torch.softmax(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV), dim=-1)
-            pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
-            grads.add(c, _grad_logits(p_CV, pt_CV, labels_M[c], g_ce_M[c], g_l1_M[c]), lm_head_VD, a_CR)
+            s_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1).neg_().add_(p_CV).sign_()
+            grads.add(c, _grad_logits(p_CV, s_CV, labels_M[c], g_ce_M[c], g_l1_M[c]), lm_head_VD, a_CR)
         return (*grads.scaled(None), None, None, None)
 
 
@@ -231,10 +233,14 @@ def _check_inputs(hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK
         R = head_factor_NKR.shape[2]
         if head_w2_RV.shape != (R, V):
             raise ValueError(f"head_w2_RV must be [R, V] = [{R}, {V}], got shape {tuple(head_w2_RV.shape)}")
-    if (valid_NK[:, 1:] & ~valid_NK[:, :-1]).any():
+    # both value checks in one device->host read
+    gap = (valid_NK[:, 1:] & ~valid_NK[:, :-1]).any()
+    out_of_range = (valid_NK & ((labels_NK < 0) | (labels_NK >= V))).any()
+    gap, out_of_range = torch.stack([gap, out_of_range]).tolist()
+    if gap:
         raise ValueError("valid_NK must be a contiguous prefix per block (a valid slot after an invalid one)")
-    labels_M = labels_NK[valid_NK]
-    if labels_M.numel() and (int(labels_M.min()) < 0 or int(labels_M.max()) >= V):
+    if out_of_range:
+        labels_M = labels_NK[valid_NK]
         raise ValueError(f"labels on valid slots must lie in [0, {V}), got [{int(labels_M.min())}, "
                          f"{int(labels_M.max())}]")
 
@@ -249,9 +255,14 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
     cfg.validate()
     lm_head_VD = lm_head_VD.detach()  # the target's frozen head: never trained, on either path
     w_NK = position_weights(valid_NK, cfg.decay_lambda, dtype=_acc_dtype(hidden_NKD.dtype))
-    w_M = w_NK[valid_NK]
-    rows = (hidden_NKD[valid_NK], target_hidden_NKD[valid_NK].detach(), lm_head_VD, labels_NK[valid_NK].long(),
-            None if head_factor_NKR is None else head_factor_NKR[valid_NK], head_w2_RV)
+    idx_M = valid_NK.reshape(-1).nonzero().squeeze(1)  # the one data-dependent shape (one sync on a GPU)
+
+    def rows_of(x_NK_: Tensor) -> Tensor:
+        return x_NK_.flatten(0, 1).index_select(0, idx_M)
+
+    w_M = rows_of(w_NK)
+    rows = (rows_of(hidden_NKD), rows_of(target_hidden_NKD).detach(), lm_head_VD, rows_of(labels_NK).long(),
+            None if head_factor_NKR is None else rows_of(head_factor_NKR), head_w2_RV)
     if naive:
         ce_M, l1_M = _naive_rows(*rows)
     else:
@@ -259,10 +270,9 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
         ce_M, l1_M = _VocabRowsLoss.apply(*rows, cfg.ce_weight * w_M, cfg.tv_weight * w_M, cfg.chunk_rows)
 
     c_star_M = (1.0 - 0.5 * l1_M.detach()).clamp(0.0, 1.0)
-    c_star_NK = torch.zeros(valid_NK.shape, device=w_M.device, dtype=w_M.dtype)
-    c_star_NK[valid_NK] = c_star_M
+    c_star_NK = w_M.new_zeros(valid_NK.numel()).index_copy_(0, idx_M, c_star_M).view(valid_NK.shape)
     if conf_logit_NK is not None:
-        bce_M = F.binary_cross_entropy_with_logits(conf_logit_NK[valid_NK].to(w_M.dtype), c_star_M, reduction="none")
+        bce_M = F.binary_cross_entropy_with_logits(rows_of(conf_logit_NK).to(w_M.dtype), c_star_M, reduction="none")
         conf_sum = (w_M * bce_M).sum()
     else:
         conf_sum = w_M.new_zeros(())

@@ -22,8 +22,28 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None
     return 1.0 / (theta ** exponent)
 
 
+def rope_tables(pos_L: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (cos, sin) [..., 1, E] for integer positions pos [...]: computed once per forward and shared by every
+    layer (all draft layers have the same head dim and theta)."""
+    inv_freq = rope_inv_freq(head_dim, theta, pos_L.device)
+    angle_LE2 = pos_L.to(torch.float32)[..., None] * inv_freq  # fp32: exact positions up to 2^24
+    cos_L1E = torch.cat([angle_LE2.cos(), angle_LE2.cos()], dim=-1)[..., None, :]
+    sin_L1E = torch.cat([angle_LE2.sin(), angle_LE2.sin()], dim=-1)[..., None, :]
+    return cos_L1E, sin_L1E
+
+
+def apply_rope(x_LHE: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [..., H, E] by `rope_tables` of its positions (rotate-half convention), in fp32."""
+    cos_L1E, sin_L1E = tables
+    x = x_LHE.to(torch.float32)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos_L1E + rotated * sin_L1E).to(x_LHE.dtype)
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds no tensors on purpose (see module docstring); `forward(x, pos)` rotates x."""
+    """Holds no tensors on purpose (see module docstring); `forward(x, pos)` rotates x (tables built per call:
+    the one-off form; the draft backbone builds `rope_tables` once per forward instead)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -32,11 +52,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x_LHE: torch.Tensor, pos_L: torch.Tensor) -> torch.Tensor:
         """x [..., H, E] at integer positions pos [...] (same leading shape); rotate-half convention."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, x_LHE.device)
-        angle_LE2 = pos_L.to(torch.float32)[..., None] * inv_freq  # fp32: exact positions up to 2^24
-        cos_L1E = torch.cat([angle_LE2.cos(), angle_LE2.cos()], dim=-1)[..., None, :]
-        sin_L1E = torch.cat([angle_LE2.sin(), angle_LE2.sin()], dim=-1)[..., None, :]
-        x = x_LHE.to(torch.float32)
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return (x * cos_L1E + rotated * sin_L1E).to(x_LHE.dtype)
+        return apply_rope(x_LHE, rope_tables(pos_L, self.head_dim, self.theta))

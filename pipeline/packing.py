@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draft_model.batch import BlockBatch
+from draft_model.batch import BlockBatch, BlockHost
 from pipeline.contracts import FeatureBatch
 
 
@@ -251,6 +251,7 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
         block_seq_N=_t(block_seq_N),
         anchor_pos_N=_t(pos_N.astype(np.int64)),
         valid_NK=_t(valid_NK),
+        host=BlockHost(seq_start_S1, block_seq_N, pos_N.astype(np.int64), valid_NK.sum(-1).astype(np.int64)),
     )
     stats = PackStats(
         sample_ids=tuple(sample_ids[s] for s in kept_S.tolist()),

@@ -20,13 +20,16 @@ BLOCKS = [(0, 6), (0, 12), (1, 3), (1, 9), (2, 0), (2, 5)]
 N_TGT, P_TGT = 1, 12  # the block under test: sequence 0, anchor 12
 WINDOW = 5
 
-CONFIGS = {
-    "dense-markov-full": lambda: dense_cfg(block_size=K),
-    "dense-markov-swa": lambda: dense_cfg(block_size=K, sliding_window=WINDOW),
-    "moe-mhc-rnn-full": lambda: moe_mhc_cfg(block_size=K),
-    "moe-mhc-rnn-swa": lambda: moe_mhc_cfg(block_size=K, sliding_window=WINDOW),
-    "dense-none-gqa1": lambda: dense_cfg(block_size=K, head="none", num_kv_heads=1),
+_SHAPES = {
+    "dense-markov-full": lambda **kw: dense_cfg(block_size=K, **kw),
+    "dense-markov-swa": lambda **kw: dense_cfg(block_size=K, sliding_window=WINDOW, **kw),
+    "moe-mhc-rnn-full": lambda **kw: moe_mhc_cfg(block_size=K, **kw),
+    "moe-mhc-rnn-swa": lambda **kw: moe_mhc_cfg(block_size=K, sliding_window=WINDOW, **kw),
+    "dense-none-gqa1": lambda **kw: dense_cfg(block_size=K, head="none", num_kv_heads=1, **kw),
 }
+# every mask property is checked on both attention paths (draft.attn_impl)
+CONFIGS = {f"{name}-{impl}": (lambda make=make, impl=impl: make(attn_impl=impl))
+           for name, make in _SHAPES.items() for impl in ("packed", "gather")}
 
 
 def _model(name: str) -> tuple[DraftModel, BlockBatch]:
@@ -138,6 +141,6 @@ def test_block_output_does_not_depend_on_packing(name):
 
 
 def test_block_without_context_is_finite():
-    model, batch = _model("moe-mhc-rnn-swa")
+    model, batch = _model("moe-mhc-rnn-swa-packed")
     out = _block_out(model, batch, 4)  # anchor at position 0: no context at all, only its own slots
     assert torch.isfinite(out).all()

@@ -1,0 +1,95 @@
+"""The packed attention path (grouped context, draft/block_layout.py) equals the per-block gather reference:
+outputs and gradients, fp32, on dense and MoE+mHC drafts, SWA and full context, multi-sequence packed batches.
+
+Run: python -m pytest tests/test_attention_paths.py -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from draft_fixtures import dense_cfg, frozen_weights, make_batch, moe_mhc_cfg
+
+from draft_model.block_layout import group_layout
+from draft_model.config import LossConfig
+from draft_model.loss import draft_loss
+from draft_model.model import DraftModel
+
+K = 4
+SEQ_LENS = [31, 17, 9, 24]
+# several blocks per sequence, uneven counts, an anchor at 0 (no context), one near a sequence end
+BLOCKS = [(0, 3), (0, 11), (0, 20), (0, 27), (1, 0), (1, 8), (2, 5), (3, 1), (3, 10), (3, 16), (3, 22)]
+
+SHAPES = {
+    "dense-full": lambda **kw: dense_cfg(block_size=K, **kw),
+    "dense-swa": lambda **kw: dense_cfg(block_size=K, sliding_window=6, **kw),
+    "moe-mhc-full": lambda **kw: moe_mhc_cfg(block_size=K, **kw),
+    "moe-mhc-swa": lambda **kw: moe_mhc_cfg(block_size=K, sliding_window=6, **kw),
+    "gqa1-full": lambda **kw: dense_cfg(block_size=K, head="none", num_kv_heads=1, **kw),
+}
+
+
+def _loss_and_grads(impl: str, make) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = make(attn_impl=impl)
+    embed, lm_head = frozen_weights()
+    model = DraftModel(cfg, embed, lm_head).eval()  # eval: the MoE balance bias must not move between paths
+    if model.head is not None:
+        torch.nn.init.normal_(model.head.w2_RV, std=0.1)
+    batch = make_batch(SEQ_LENS, BLOCKS, K, feat_width=len(cfg.target_layers) * cfg.hidden_size)
+    feats = batch.ctx_feats_TF.clone().requires_grad_(True)
+    batch = replace(batch, ctx_feats_TF=feats)
+    out = model(batch)
+    parts = draft_loss(model, batch, LossConfig())
+    loss = parts.total(parts.weight_sum)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["<ctx_feats>"] = feats.grad.clone()
+    return out.hidden_NKD.detach(), grads, loss.detach()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_packed_path_equals_gather_reference(shape):
+    h_ref, g_ref, l_ref = _loss_and_grads("gather", SHAPES[shape])
+    h_new, g_new, l_new = _loss_and_grads("packed", SHAPES[shape])
+    torch.testing.assert_close(h_new, h_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l_new, l_ref, atol=1e-5, rtol=1e-5)
+    assert g_new.keys() == g_ref.keys() and len(g_ref) > 5
+    for name in g_ref:
+        torch.testing.assert_close(g_new[name], g_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_full_context_groups_share_one_key_range_per_sequence():
+    """Full context: one group per sequence whose keys are rows [0, max anchor) of it, copied once; SWA: a group
+    per block with its own window. The mask lets a slot see exactly [max(0, p-W), p) of its own sequence."""
+    batch = make_batch(SEQ_LENS, BLOCKS, K, feat_width=8)
+    host = batch.host_index()
+    full = group_layout(host, 0, K, torch.device("cpu"))
+    assert full.block_RB.shape == (4, 4)  # 4 sequences, at most 4 blocks each
+    assert full.key_row_RC.shape[1] == 27  # sequence 0's last anchor
+    swa = group_layout(host, 6, K, torch.device("cpu"))
+    assert swa.block_RB.shape == (len(BLOCKS), 1) and swa.key_row_RC.shape[1] == 6
+    for lay, window in ((full, 0), (swa, 6)):
+        R, B = lay.block_RB.shape
+        C = lay.key_row_RC.shape[1]
+        starts = np.asarray([0] + SEQ_LENS).cumsum()
+        for n, (s, p) in enumerate(BLOCKS):
+            r, b = divmod(int(lay.slot_of_N[n]), B)
+            assert int(lay.block_RB[r, b]) == n
+            rows = lay.key_row_RC[r][lay.mask_R1QL[r, 0, b * K, :C]].tolist()
+            lo = max(0, p - window) if window else 0
+            assert rows == list(range(starts[s] + lo, starts[s] + p)), (n, window)
+            own = lay.mask_R1QL[r, 0, b * K:(b + 1) * K, C:]
+            assert own[:, b * K:(b + 1) * K].all() and own.sum() == K * K  # own slots only
+
+
+def test_packer_ships_host_indices_and_stale_ones_are_dropped():
+    batch = make_batch(SEQ_LENS, BLOCKS, K, feat_width=8)
+    host = batch.host_index()
+    np.testing.assert_array_equal(host.valid_len_N, batch.valid_NK.sum(-1).numpy())
+    moved = replace(batch, anchor_pos_N=batch.anchor_pos_N + 1)
+    assert moved.host is None  # the replaced indices no longer match: derived again on demand
+    np.testing.assert_array_equal(moved.host_index().anchor_pos_N, batch.anchor_pos_N.numpy() + 1)
