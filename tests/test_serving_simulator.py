@@ -6,6 +6,10 @@ Run: python -m pytest tests/test_serving_simulator.py -q
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -149,3 +153,12 @@ def test_plots(tmp_path):
                 lambda g: 0.001, num_steps=10)
     for path in (pareto_plot(res, tmp_path / "pareto.png"), verify_len_plot(res, tmp_path / "ell.png")):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serving_is_pure():
+    # the serving package must import without ray, deepspeed, torch.distributed (and needs no torch at all)
+    code = ("import sys, serving.calibration, serving.sps, serving.policies, serving.simulator; "
+            "print(sorted(m for m in ('ray', 'deepspeed', 'torch', 'torch.distributed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"
