@@ -12,8 +12,9 @@ contexts (and so the statistics) of later rounds. The simulator assumes round st
 policy; check that once against real decoding driven by the policy before trusting small differences.
 
 The engine: R requests are active at once. Slot r replays one stream (the rounds of one prompt, in order); when
-a stream ends its request is finished and the next stream takes the slot (streams are cycled, so a sweep can run
-longer than the recording). Each engine step the policy chooses ℓ_R; the step emits min(n_r, ℓ_r) + 1 tokens for
+a stream ends its request is finished and the next stream takes the slot (slot r starts with stream r mod S;
+streams are cycled, so a sweep can run longer than the recording, and with R > S streams one stream is replayed
+in several slots at once). Each engine step the policy chooses ℓ_R; the step emits min(n_r, ℓ_r) + 1 tokens for
 request r and takes 1/SPS(B) seconds with B = Σ_r (ℓ_r + 1), plus draft_time_s(positions drafted): all K for the
 confidence policies (the confidences come from drafting every position), γ for a static-γ drafter.
 
