@@ -1,28 +1,18 @@
-"""Atomic JSON files for the serving package (calibration.json, SPS tables): write a temp file, then os.replace."""
+"""JSON files of the serving package (calibration.json, SPS tables): atomic writes, one-line read errors."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from pipeline.atomic import write_text_atomic
 
 
 def atomic_write_json(path: str | Path, obj: object) -> Path:
     """Write obj as JSON to path so that a reader sees either the old file or the complete new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
     return path
 
 
