@@ -33,6 +33,9 @@ from draft_model.block_layout import GroupLayout, group_layout
 from draft_model.config import DraftConfig
 from draft_model.rope import RotaryEmbedding, apply_rope, rope_tables
 
+# devices whose SDPA kernel takes a boolean mask and grouped KV heads together (CPU flash attention does)
+MASKED_GQA_NATIVE = {"cpu"}
+
 
 @dataclass
 class AttnContext:
@@ -118,7 +121,14 @@ class ContextBlockAttention(GQAProjections):
 
         k_RLGE = torch.cat([kc_TGE[lay.key_row_RC], per_group(kb_NKGE)], dim=1)
         v_RLGE = torch.cat([vc_TGE[lay.key_row_RC], per_group(vb_NKGE)], dim=1)
+        gqa = H != G
+        if gqa and q_NKHE.device.type not in MASKED_GQA_NATIVE:
+            # CUDA's masked kernel (memory-efficient attention) takes no GQA; without it SDPA would fall back to
+            # the math kernel and materialise [R, H, Q, L] scores. Repeating the G heads costs only H/G x the
+            # group's K/V. (The CPU flash kernel takes mask and GQA together.)
+            k_RLGE, v_RLGE = (x.repeat_interleave(H // G, dim=2) for x in (k_RLGE, v_RLGE))
+            gqa = False
         out_RHQE = F.scaled_dot_product_attention(
             per_group(q_NKHE).transpose(1, 2), k_RLGE.transpose(1, 2), v_RLGE.transpose(1, 2),
-            attn_mask=lay.mask_R1QL, enable_gqa=H != G)
+            attn_mask=lay.mask_R1QL, enable_gqa=gqa)
         return out_RHQE.transpose(1, 2).reshape(R * B, K, H, E)[lay.slot_of_N]

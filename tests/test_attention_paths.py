@@ -93,3 +93,15 @@ def test_packer_ships_host_indices_and_stale_ones_are_dropped():
     moved = replace(batch, anchor_pos_N=batch.anchor_pos_N + 1)
     assert moved.host is None  # the replaced indices no longer match: derived again on demand
     np.testing.assert_array_equal(moved.host_index().anchor_pos_N, batch.anchor_pos_N.numpy() + 1)
+
+
+def test_repeated_kv_heads_equal_native_gqa(monkeypatch):
+    """The CUDA form (KV heads repeated for the masked kernel) equals the native-GQA CPU form."""
+    import draft_model.attention as attention
+
+    h_ref, g_ref, _ = _loss_and_grads("packed", SHAPES["moe-mhc-full"])
+    monkeypatch.setattr(attention, "MASKED_GQA_NATIVE", set())
+    h_rep, g_rep, _ = _loss_and_grads("packed", SHAPES["moe-mhc-full"])
+    torch.testing.assert_close(h_rep, h_ref, atol=1e-6, rtol=1e-6)
+    for name in g_ref:
+        torch.testing.assert_close(g_rep[name], g_ref[name], atol=1e-6, rtol=1e-5, msg=name)
