@@ -100,11 +100,10 @@ def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor
 
 
 def _grad_logits(p_CV: Tensor, s_CV: Tensor, labels_C: Tensor, g_ce_C: Tensor, g_l1_C: Tensor) -> Tensor:
-    """g_ce·(p − y) + g_l1·p⊙(s − <s,p>), s = sign(p − p_t); overwrites p_CV and s_CV (built in place: few live
-    C·V buffers)."""
-    s_CV -= torch.linalg.vecdot(s_CV, p_CV).unsqueeze(-1)
-    grad_z_CV = s_CV.mul_(p_CV).mul_(g_l1_C[:, None])
-    grad_z_CV.add_(p_CV.mul_(g_ce_C[:, None]))
+    """g_ce·(p − y) + g_l1·p⊙(s − <s,p>) with s = sign(p − p_t), written as p⊙(g_l1·s + b) − g_ce·y where
+    b = g_ce − g_l1·<s,p>: three passes over the C·V buffer s_CV, which it overwrites (p_CV is only read)."""
+    b_C1 = (g_ce_C - g_l1_C * torch.linalg.vecdot(s_CV, p_CV))[:, None]
+    grad_z_CV = s_CV.mul_(g_l1_C[:, None]).add_(b_C1).mul_(p_CV)
     return grad_z_CV.scatter_add_(-1, labels_C[:, None], -g_ce_C[:, None])
 
 
@@ -134,10 +133,10 @@ class _VocabRowsLoss(torch.autograd.Function):
             pt_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1)
             ce_M[c] = -logp_CV.gather(-1, labels_M[c, None]).squeeze(-1)
             p_CV = logp_CV.exp_()
-            d_CV = pt_CV.neg_().add_(p_CV)  # p_d − p_t in p_t's buffer (p_t is not needed again)
-            l1_M[c] = d_CV.abs().sum(-1)
-            if grads is not None:
-                grads.add(c, _grad_logits(p_CV, d_CV.sign_(), labels_M[c], gw_ce_M[c], gw_l1_M[c]), lm_head_VD,
+            d_CV = pt_CV.sub_(p_CV)  # p_t − p_d in p_t's buffer (p_t is not needed again)
+            l1_M[c] = torch.linalg.vector_norm(d_CV, ord=1, dim=-1)
+            if grads is not None:  # sign(p_d − p_t) = −sign(p_t − p_d): the l1 gradient's sign flips with it
+                grads.add(c, _grad_logits(p_CV, d_CV.sign_(), labels_M[c], gw_ce_M[c], -gw_l1_M[c]), lm_head_VD,
                           a_CR)
         ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M)
         ctx.chunk_rows, ctx.grads = chunk_rows, grads
@@ -165,8 +164,8 @@ class _VocabRowsLoss(torch.autograd.Function):
             c = slice(lo, lo + ctx.chunk_rows)
             a_CR = None if a_MR is None else a_MR[c]
             p_CV = torch.softmax(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV), dim=-1)
-            s_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1).neg_().add_(p_CV).sign_()
-            grads.add(c, _grad_logits(p_CV, s_CV, labels_M[c], g_ce_M[c], g_l1_M[c]), lm_head_VD, a_CR)
+            s_CV = torch.softmax(_logits(target_MD[c], lm_head_VD, None, None), dim=-1).sub_(p_CV).sign_()
+            grads.add(c, _grad_logits(p_CV, s_CV, labels_M[c], g_ce_M[c], -g_l1_M[c]), lm_head_VD, a_CR)
         return (*grads.scaled(None), None, None, None)
 
 
