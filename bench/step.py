@@ -1,0 +1,239 @@
+"""The draft's training step, old against new, on the same packed batches: step time, peak memory, FLOP/s.
+
+Run: python bench/step.py                  (CPU: 4 sequences x 4096 tokens, 32 anchors each, V = 49152)
+     python bench/step.py --seq-len 1024 --steps 2   (a quick one)
+
+Two presets, shrunk to CPU width but at a long context: `full_ctx` (dspark-markov: dense, full context, γ = 7)
+and `swa` (v4: MoE + mHC + SWA 128, γ = 5). For each, "old" is the step as it was before this work: the code of
+commit OLD_REV (below), exported with `git archive` into a temporary directory and imported from there (every block
+gathers its own context window, RoPE tables per call, `loss.chunk_rows=64`, the earlier loss kernel); outside a git
+checkout it falls back to this tree's reference path (`draft.attn_impl=gather`, chunk 64) and says so. "new" is this
+tree's default (`attn_impl=packed`: one context range per sequence, a mask built once per forward and shared by the
+layers; RoPE tables once per forward; host-side indices; fewer passes in the vocabulary loss; the larger default
+loss chunk). Both see the same seeded batch and weights. Each variant runs in two fresh subprocesses, each building
+the model and batch and taking one warm-up step: one times --steps steps (forward, backward, AdamW); the other
+resets the kernel's peak-RSS mark and takes one step with glibc's mmap threshold pinned (so freed tensors leave the
+RSS): peak memory is the RSS peak above what was resident before that step.
+
+FLOP/s: torch.utils.flop_counter counts the new step's matmul/attention FLOPs (including the masked-out parts of
+each group's attention tile, which the kernel computes); util = those FLOP/s over the fp32 matmul rate of this
+machine measured in the same run (a 2048^3 matmul). The old path's outputs and the new path's agree (the printed
+max |loss diff|; tests/test_attention_paths.py checks gradients too).
+Last line: step full_ctx time old/new=X peak_mem old/new=Y swa time old/new=Z util=U
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--child" not in sys.argv:  # a child imports the draft code from the tree it is given (--code)
+    sys.path.insert(0, REPO)
+
+GIB = 1024**3
+OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _cfg(preset: str, variant: str, hidden: int, in_tree_old: bool):
+    from draft_model.config import MoEConfig
+    from draft_model.presets import draft_preset
+
+    cfg = draft_preset("dspark-markov" if preset == "full_ctx" else "v4")
+    cfg = replace(cfg, hidden_size=hidden, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=3 * hidden,
+                  head_rank=64, mhc_streams=4,
+                  moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_intermediate_size=hidden))
+    if variant == "new" or in_tree_old:
+        cfg = replace(cfg, attn_impl="gather" if variant == "old" else "packed")
+    return cfg
+
+
+def _batch(cfg, seqs: int, seq_len: int, anchors: int, vocab: int, seed: int):
+    from draft_model.batch import BlockBatch
+
+    try:
+        from draft_model.batch import BlockHost
+    except ImportError:  # the old tree: no host-side indices
+        BlockHost = None
+    g = np.random.default_rng(seed)
+    K, T = cfg.block_size, seqs * seq_len
+    seq_start = np.arange(seqs + 1, dtype=np.int64) * seq_len
+    pos = np.concatenate([np.sort(g.choice(seq_len - 1, anchors, replace=False)) for _ in range(seqs)])
+    seq = np.repeat(np.arange(seqs, dtype=np.int64), anchors)
+    valid = pos[:, None] + np.arange(K)[None, :] + 1 < seq_len
+    tg = torch.Generator().manual_seed(seed)
+    return BlockBatch(
+        input_ids_T=torch.randint(0, vocab, (T,), generator=tg),
+        ctx_feats_TF=torch.randn(T, len(cfg.target_layers) * cfg.hidden_size, generator=tg),
+        final_hidden_TD=torch.randn(T, cfg.hidden_size, generator=tg),
+        seq_start_S1=torch.from_numpy(seq_start), block_seq_N=torch.from_numpy(seq),
+        anchor_pos_N=torch.from_numpy(pos.astype(np.int64)), valid_NK=torch.from_numpy(valid),
+        **({} if BlockHost is None else {"host": BlockHost(seq_start, seq, pos.astype(np.int64), valid.sum(-1))}))
+
+
+def child(args: argparse.Namespace) -> None:
+    sys.path.insert(0, args.code)
+    from draft_model.config import LossConfig
+    from draft_model.loss import draft_loss
+    from draft_model.model import DraftModel
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    in_tree_old = args.variant == "old" and os.path.samefile(args.code, REPO)
+    cfg = _cfg(args.preset, args.variant, args.hidden, in_tree_old)
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(args.vocab, args.hidden, generator=g) * 0.5
+    lm_head = torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5
+    model = DraftModel(cfg, embed, lm_head)
+    torch.nn.init.normal_(model.head.w2_RV, std=0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss_cfg = LossConfig(chunk_rows=64 if args.variant == "old" else LossConfig().chunk_rows)
+    batch = _batch(cfg, args.seqs, args.seq_len, args.anchors, args.vocab, seed=2)
+    first_loss = None
+
+    def step() -> float:
+        parts = draft_loss(model, batch, loss_cfg)
+        loss = parts.total(parts.weight_sum)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    first_loss = step()  # warm-up: allocator, thread pools; also the value compared across variants
+    flops = 0
+    if args.count_flops:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as fc:
+            step()
+        flops = fc.get_total_flops()
+    base_kib = _rss_kib("VmRSS")
+    exact = _reset_peak()
+    t0 = time.perf_counter()
+    for _ in range(1 if args.memory else args.steps):
+        step()
+    seconds = (time.perf_counter() - t0) / (1 if args.memory else args.steps)
+    peak_kib = _rss_kib("VmHWM") if exact else base_kib
+    with open(args.out, "w") as f:
+        json.dump({"seconds": seconds, "peak_bytes": (peak_kib - base_kib) * 1024, "first_loss": first_loss,
+                   "flops": flops, "exact_peak": exact, "blocks": batch.num_blocks}, f)
+
+
+def old_tree(tmp: str) -> str:
+    """OLD_REV's files in tmp/old (git archive), or this tree when that is not possible."""
+    out = os.path.join(tmp, "old")
+    os.makedirs(out)
+    try:
+        archive = subprocess.run(["git", "-C", REPO, "archive", OLD_REV], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+        return out
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"note: cannot export {OLD_REV} ({e}); 'old' is this tree's reference path (attn_impl=gather, "
+              "chunk_rows=64), which already has the new RoPE tables, host indices and loss")
+        return REPO
+
+
+def measure(args: argparse.Namespace, preset: str, variant: str, tmp: str) -> dict:
+    """Two fresh processes: one times the steps (the normal allocator), one measures the peak memory of a step
+    with glibc's mmap threshold pinned (then freed tensors leave the RSS, but every large allocation is a fresh
+    mmap, which would distort the timing)."""
+    code = args.old_code if variant == "old" else REPO
+    timing = _child(args, preset, variant, code, tmp, memory=False)
+    memory = _child(args, preset, variant, code, tmp, memory=True)
+    return {**timing, "peak_bytes": memory["peak_bytes"], "exact_peak": memory["exact_peak"]}
+
+
+def _child(args: argparse.Namespace, preset: str, variant: str, code: str, tmp: str, memory: bool) -> dict:
+    out = os.path.join(tmp, f"{preset}_{variant}_{int(memory)}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--code", code, "--out", out, "--preset", preset,
+           "--variant",
+           variant, "--seqs", str(args.seqs), "--seq-len", str(args.seq_len), "--anchors", str(args.anchors),
+           "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--steps", str(args.steps),
+           "--threads", str(args.threads)]
+    cmd += ["--memory"] if memory else (["--count-flops"] if variant == "new" else [])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if memory else dict(os.environ)
+    subprocess.run(cmd, check=True, env=env)
+    with open(out) as f:
+        return json.load(f)
+
+
+def matmul_rate(threads: int, n: int = 2048, reps: int = 5) -> float:
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqs", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--preset", choices=("full_ctx", "swa"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=("old", "new"), help=argparse.SUPPRESS)
+    p.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--code", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+
+    rate = matmul_rate(args.threads)
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        args.old_code = old_tree(tmp)
+        for preset in ("full_ctx", "swa"):
+            for variant in ("old", "new"):
+                r = res[preset, variant] = measure(args, preset, variant, tmp)
+                print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step  peak {r['peak_bytes'] / GIB:6.3f} GiB  "
+                      f"loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)
+    print(f"\n{args.seqs} sequences x {args.seq_len} tokens, {args.anchors} anchors each, V={args.vocab} "
+          f"D={args.hidden}, {args.threads} threads; fp32 matmul rate {rate / 1e9:.1f} GFLOP/s")
+    for preset in ("full_ctx", "swa"):
+        old, new = res[preset, "old"], res[preset, "new"]
+        print(f"{preset}: time old/new {old['seconds'] / new['seconds']:.2f}, peak old/new "
+              f"{old['peak_bytes'] / max(new['peak_bytes'], 1):.2f}, new {new['flops'] / new['seconds'] / 1e9:.1f} "
+              f"GFLOP/s, max |loss diff| {abs(old['first_loss'] - new['first_loss']):.1e}")
+    f_old, f_new = res["full_ctx", "old"], res["full_ctx", "new"]
+    s_old, s_new = res["swa", "old"], res["swa", "new"]
+    util = max(r["flops"] / r["seconds"] for r in (f_new, s_new)) / rate
+    print(f"step full_ctx time old/new={f_old['seconds'] / f_new['seconds']:.2f} "
+          f"peak_mem old/new={f_old['peak_bytes'] / max(f_new['peak_bytes'], 1):.2f} "
+          f"swa time old/new={s_old['seconds'] / s_new['seconds']:.2f} util={util:.2f}")
+
+
+if __name__ == "__main__":
+    main()
