@@ -51,6 +51,10 @@ class DataConfig:
     max_len: int = 512
     samples_per_batch: int = 8  # sequences per feature batch = one micro-batch of one trainer rank
     anchors_per_seq: int = 16
+    # prefer anchors whose whole block is trained (pipeline/packing.py): denser blocks, but slot 0 then never
+    # predicts the last K-1 tokens of a trained span when a sequence has enough full blocks; false = DFlash's
+    # uniform choice among all eligible anchors
+    full_blocks_first: bool = True
     seed: int = 0
     max_in_flight: int = 4  # feature batches produced ahead of the trainers (backpressure bound)
     replay_batches: int = 0  # > 0: run the target on this many batches once, then train on them in a loop
