@@ -121,3 +121,25 @@ def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
     for (n, p), q in zip(engine.module.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
         assert not torch.equal(q.detach(), init[n]), f"{n} never moved"
+
+
+@pytest.mark.parametrize("head_kind", ["markov", "rnn"])
+def test_only_the_low_rank_table_gets_the_head_lr(head_kind):
+    """train.head_lr_scale speeds up W1/W2 (W2 starts at zero); the RNN head's gate/cell/output layers are
+    ordinary dense layers and train at the backbone's lr."""
+    from pipeline.config import RunConfig
+    from workers.train_step import param_groups
+
+    cfg = RunConfig()
+    cfg.draft, cfg.train.lr, cfg.train.head_lr_scale = dense_cfg(head=head_kind, rnn_state_size=24), 1e-3, 7.0
+    embed, head = frozen_weights()
+    module = DraftWithLoss(build_draft(cfg.draft, embed, head), LossConfig())
+    groups = {g["name"]: g for g in param_groups(module, cfg)}
+    names = {id(p): n for n, p in module.named_parameters()}
+    head_names = sorted(names[id(p)] for p in groups["head"]["params"])
+    assert head_names == ["draft.head.w1.weight", "draft.head.w2_RV"]
+    assert groups["head"]["lr"] == pytest.approx(7e-3) and groups["backbone"]["lr"] == pytest.approx(1e-3)
+    backbone = {names[id(p)] for p in groups["backbone"]["params"]}
+    rnn_layers = {n for n in names.values() if n.startswith("draft.head.w_")}
+    assert bool(rnn_layers) == (head_kind == "rnn") and rnn_layers <= backbone
+    assert len(head_names) + len(backbone) == len(names)  # every trainable parameter in exactly one group

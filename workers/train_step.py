@@ -105,10 +105,12 @@ def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], 
 def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     """Trainable parameters as optimizer groups: the sequential head's low-rank table (W1, W2) at
     lr · train.head_lr_scale, everything else at lr. W2 starts at zero, so the head's bias W1[x]·W2 grows from
-    nothing at a rate set by this scale; schedulers scale each group's own lr."""
+    nothing at a rate set by this scale. The RNN head's gate, candidate and output layers are ordinary dense
+    layers initialised like the backbone's, so they stay in the backbone group. Schedulers scale each group's
+    own lr."""
     draft = module.draft if isinstance(module, DraftWithLoss) else module
     head = getattr(draft, "head", None)
-    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    head_ids = {id(head.w1.weight), id(head.w2_RV)} if head is not None else set()
     trainable = [p for p in module.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if id(p) not in head_ids], "lr": cfg.train.lr, "name": "backbone"}]
     head_params = [p for p in trainable if id(p) in head_ids]
