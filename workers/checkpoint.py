@@ -1,8 +1,10 @@
-"""Atomic, resumable checkpoints of a DeepSpeed-trained draft, and the final export.
+"""Atomic, resumable checkpoints of a draft in training (any engine with DeepSpeed's save_checkpoint /
+load_checkpoint), and the final export.
 
 Layout under <run_dir>/checkpoints/:
     step_00000050/          one complete checkpoint
-        ds/...              DeepSpeed state: model, per-rank optimizer shards, LR scheduler
+        ds/...              engine state: DeepSpeed's model, per-rank optimizer shards and LR scheduler, or
+                            (single process) TorchEngine's model.safetensors, optimizer.pt, scheduler.pt
         rng_rank{r}.pt      each rank's torch RNG state
         meta.json           step, data position, the resolved run config, wall time
     latest                  text file naming the newest complete checkpoint directory
@@ -73,14 +75,14 @@ class CheckpointManager:
         return final
 
     def load(self, engine: Any, path: Path, rank: int) -> dict[str, Any]:
-        """Restore DeepSpeed state and this rank's RNG; returns meta.json."""
+        """Restore the engine's state and this rank's RNG; returns meta.json."""
         load_path, _ = engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+            raise RuntimeError(f"the engine could not load the checkpoint in {path}")
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():
-            torch.set_rng_state(torch.load(rng))
+            torch.set_rng_state(torch.load(rng, weights_only=True))
         return json.loads((path / "meta.json").read_text())
 
     def _prune(self) -> None:
