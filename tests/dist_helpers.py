@@ -9,6 +9,7 @@ or killed by its own handle, before this returns.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import traceback
 from typing import Any
@@ -26,7 +27,9 @@ def _entry(fn, rank: int, world: int, port: int, out, args: tuple) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        out.put((rank, True, fn(rank, world, *args)))
+        # plain pickle, by value: torch's queue pickler would share tensors through file descriptors that die
+        # with this process
+        out.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -49,7 +52,7 @@ def run_ranks(fn, world: int, *args: Any, timeout: float = 600) -> list[Any]:
             rank, ok, value = out.get(timeout=timeout)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     except queue.Empty:
         raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} gave no result in {timeout} s") from None
     finally:
