@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_trainer_step.py -q
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 
@@ -168,7 +169,11 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     for _ in range(3):
         optimizer_step(straight, micro, cfg.loss.decay_lambda, world=1)
     ckpts = CheckpointManager(tmp_path, keep_last=1)
-    path = ckpts.save(straight, 3, {"config": cfg.to_dict()}, 0, lambda: None)
+    path = ckpts.save(straight, 3, {"config": cfg.to_dict(), "engine": "DeepSpeedEngine"}, 0, lambda: None)
+    with pytest.raises(RuntimeError, match="holds DeepSpeedEngine state"):  # the other trainer's checkpoint
+        ckpts.load(engine(1), path, 0)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "engine": "TorchEngine"}))
     assert sorted(p.name for p in (path / "ds").iterdir()) == ["model.safetensors", "optimizer.pt", "scheduler.pt"]
     resumed = engine(1)  # other initial weights: everything must come from the checkpoint
     assert ckpts.load(resumed, ckpts.latest(), 0)["step"] == 3

@@ -6,7 +6,7 @@ Layout under <run_dir>/checkpoints/:
         ds/...              engine state: DeepSpeed's model, per-rank optimizer shards and LR scheduler, or
                             (single process) TorchEngine's model.safetensors, optimizer.pt, scheduler.pt
         rng_rank{r}.pt      each rank's torch RNG state
-        meta.json           step, data position, the resolved run config, wall time
+        meta.json           step, data position, the resolved run config, the engine's class, wall time
     latest                  text file naming the newest complete checkpoint directory
 A checkpoint is written into `step_XXXXXXXX.tmp/` by all ranks and renamed by rank 0 only after every rank
 finished and meta.json is on disk, so a crash at any point leaves either the old `latest` or a complete new one;
@@ -76,6 +76,11 @@ class CheckpointManager:
 
     def load(self, engine: Any, path: Path, rank: int) -> dict[str, Any]:
         """Restore the engine's state and this rank's RNG; returns meta.json."""
+        meta = json.loads((path / "meta.json").read_text())
+        kind = type(engine).__name__
+        if meta.get("engine", kind) != kind:
+            raise RuntimeError(f"{path} holds {meta['engine']} state and this run trains with {kind}: resume it with "
+                               "the trainer that wrote it (with or without --single-process), or use a new run dir")
         load_path, _ = engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if load_path is None:
@@ -83,7 +88,7 @@ class CheckpointManager:
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
-        return json.loads((path / "meta.json").read_text())
+        return meta
 
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))

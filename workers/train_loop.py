@@ -92,7 +92,7 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == t.max_steps:
                 meta = {"data_position": {"next_batch_index": batch_index_for(step + 1, 0, 0, t.grad_accum, world),
                                           "world_size": world, "grad_accum": t.grad_accum},
-                        "config": cfg.to_dict(), "metrics": metrics}
+                        "config": cfg.to_dict(), "metrics": metrics, "engine": type(engine).__name__}
                 path = checkpointer.save(engine, step + 1, meta, rank, barrier)
                 if rank == 0:
                     log.info("checkpoint %s", path)

@@ -35,7 +35,8 @@ class DraftWithLoss(nn.Module):
     sequential head's W2, read here outside any submodule's forward), only to tensors it finds in a module's
     output, and it does not look inside a dataclass: with LossParts returned, W2 stayed partitioned (size 0)
     when the vocabulary loss's backward and W2's gradient hook ran, and the first backward failed with
-    "The size of tensor a (0) must match the size of tensor b (V)".
+    "The size of tensor a (0) must match the size of tensor b (V)". (The loss's autograd Function saves W2
+    itself, not a copy, so its backward reads whatever ZeRO has gathered by then: the hook makes that all of it.)
     """
 
     def __init__(self, draft: nn.Module, loss_cfg: LossConfig) -> None:
