@@ -117,7 +117,7 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
     if s["trainer"] == "single":
         from workers.single_process import train_single_process
 
-        train_single_process(cfg, log)
+        train_single_process(cfg, log, resume_from=CheckpointManager(run_dir).latest())
     else:
         import ray
 

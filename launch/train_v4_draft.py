@@ -6,7 +6,7 @@ On a Ray cluster:
     ray job submit --working-dir . -- python launch/train_v4_draft.py --config launch/configs/v4-flash.yaml \
         --run-dir /checkpoints/v4-flash-run1 train.lr=2e-4
 Re-running the same command on the same --run-dir resumes from its `latest` checkpoint.
-One process, no Ray or DeepSpeed (one GPU or CPU; metrics and export, no resumable checkpoints):
+One process, no Ray or DeepSpeed (one GPU or CPU; the same checkpoints, resumed the same way):
     python launch/train_v4_draft.py --single-process --run-dir runs/one-gpu target.dtype=bfloat16
 
 Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr), 1 for a failed run.
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="refuse to start if the run dir already has checkpoints")
     p.add_argument("--single-process", action="store_true",
                    help="target and trainer in this process on one device, without Ray or DeepSpeed "
-                        "(workers/single_process.py); writes metrics and the export, no checkpoints")
+                        "(workers/single_process.py); same checkpoints, metrics and export")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.num_samples=64")
     return p.parse_args(argv)
 
@@ -99,11 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.single_process and (args.resume or latest is not None):
-        print(f"error: --single-process writes no checkpoints and cannot resume ({run_dir} has "
-              f"{latest.name if latest else 'none'}); drop --resume or use a new --run-dir", file=sys.stderr)
-        return 2
-
     if args.resume and latest is None:
         print(f"error: --resume given but {run_dir} has no checkpoint", file=sys.stderr)
         return 2
@@ -119,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.single_process:
             from workers.single_process import train_single_process
 
-            train_single_process(cfg, log)
+            train_single_process(cfg, log, resume_from=latest)
         else:
             run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log)
     except InputError as e:

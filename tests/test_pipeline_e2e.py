@@ -1,7 +1,8 @@
 """End to end through the real launch script: Ray target worker -> hidden states -> packer -> 2 DeepSpeed ZeRO-2
-trainers (gloo) on a tiny random Qwen3-MoE target; resume after SIGKILL of the driver; `ray job submit`.
+trainers (gloo) on a tiny random Qwen3-MoE target; resume after SIGKILL of the driver; one Ray/DeepSpeed trainer
+and --single-process log the same loss curve; `ray job submit`.
 
-Run: python -m pytest tests/test_pipeline_e2e.py -q     (about 6 minutes on 2 cores)
+Run: python -m pytest tests/test_pipeline_e2e.py -q     (about 7 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -95,6 +96,28 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, head):
     for step in range(n + 1, 2 * n + 1):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a[step], b[step])
     assert (killed / "checkpoints" / "latest").read_text().strip() == f"step_{2 * n:08d}"
+
+
+def test_ray_and_single_process_trainers_log_the_same_losses(tmp_path, head):
+    """The shared loop (workers/train_loop.py) under its two deployments, 1 trainer rank, same config and data:
+    Ray FeatureService + DeepSpeed ZeRO-2 vs in-process TargetWorker + TorchEngine. Equal to 1e-5 relative: fp32
+    draft, the same bf16-rounded features, the same batches; only DeepSpeed's and torch's AdamW/clipping kernels
+    differ in summation order."""
+    common = ["--max-steps", "8", *TINY_MOE, "cluster.num_trainers=1", "checkpoint.every_steps=4",
+              "train.lr=3e-3", "checkpoint.export=false"]
+    ray_dir, single_dir = tmp_path / "ray", tmp_path / "single"
+    res = run_launch(["--run-dir", str(ray_dir), *common], env=quiet_env(RAY_ADDRESS=head.address))
+    assert res.returncode == 0, res.stderr[-4000:]
+    res = run_launch(["--run-dir", str(single_dir), "--single-process", *common])
+    assert res.returncode == 0, res.stderr[-4000:]
+    a, b = _losses(ray_dir), _losses(single_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), (step, a[step], b[step])
+    assert a[8] < a[1]
+    for d in (ray_dir, single_dir):  # the same checkpoint layout from both
+        meta = json.loads((d / "checkpoints" / "step_00000008" / "meta.json").read_text())
+        assert meta["data_position"]["next_batch_index"] == 8 and meta["config"]["cluster"]["num_trainers"] == 1
 
 
 def test_ray_job_submit(tmp_path, head):

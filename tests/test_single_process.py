@@ -1,16 +1,21 @@
 """`launch/train_v4_draft.py --single-process` (workers/single_process.py) trains a draft end to end on a machine
 where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
-target; bad input is one `error:` line, exit status 2.
-Step-for-step equality of its engine with DeepSpeed's is tests/test_trainer_step.py.
+target; a run killed after a checkpoint and started again resumes with the losses of an uninterrupted run; bad
+input is one `error:` line, exit status 2.
+Step-for-step equality of its engine with DeepSpeed's is tests/test_trainer_step.py; of its loss curve with the
+Ray trainers', tests/test_pipeline_e2e.py.
 
-Run: python -m pytest tests/test_single_process.py -q     (about 30 s on 2 cores)
+Run: python -m pytest tests/test_single_process.py -q     (about 60 s on 2 cores)
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from launch_helpers import REPO, TINY_MOE, quiet_env
@@ -27,10 +32,16 @@ sys.exit(main(["--single-process", *{args!r}]))
 """
 
 
+def _cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-c", SCRIPT.format(repo=str(REPO), args=args)]
+
+
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    code = SCRIPT.format(repo=str(REPO), args=args)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=quiet_env(), cwd=REPO)
+    return subprocess.run(_cmd(args), capture_output=True, text=True, timeout=600, env=quiet_env(), cwd=REPO)
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
 
 
 def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
@@ -38,7 +49,7 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     res = _run(["--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=20", "train.lr=3e-3",
                 "train.head_lr_scale=5"])
     assert res.returncode == 0, res.stderr[-4000:]
-    losses = {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
+    losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, 21))
     first, last = sum(losses[s] for s in range(1, 5)) / 4, sum(losses[s] for s in range(17, 21)) / 4
     assert last < 0.9 * first, (first, last)
@@ -51,14 +62,53 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
     assert draft.cfg.head == "markov" and draft.head_w2().abs().max() > 0  # the head trained
-    again = _run(["--run-dir", str(run_dir), *TINY_MOE])  # never overwrites a finished run
-    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    lines = (run_dir / "metrics.jsonl").read_text().count("\n")
+    # run again on the finished run dir: it resumes at its last step, trains nothing more, exports again
+    again = _run(["--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=20", "train.lr=3e-3",
+                  "train.head_lr_scale=5"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "at step 20" in again.stderr and (run_dir / "metrics.jsonl").read_text().count("\n") == lines
+
+
+def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path):
+    """SIGKILL after the step-n checkpoint, start again: steps n+1..2n log the losses of a run never stopped
+    (to 1e-6: the same process kind, data, engine state and RNG; only the kill differs)."""
+    n = 4
+    common = [*TINY_MOE, f"train.max_steps={2 * n}", f"checkpoint.every_steps={n}", "checkpoint.export=false",
+              "train.lr=3e-3"]
+    straight = tmp_path / "straight"
+    res = _run(["--run-dir", str(straight), *common])
+    assert res.returncode == 0, res.stderr[-4000:]
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(["--run-dir", str(killed), *common]), cwd=REPO, env=quiet_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() == f"step_{n:08d}":
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert latest.read_text().strip() == f"step_{n:08d}"
+
+    res = _run(["--run-dir", str(killed), *common])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"resuming from {killed / 'checkpoints' / f'step_{n:08d}'}" in res.stderr
+    a, b = _losses(straight), _losses(killed)
+    assert sorted(b) == list(range(1, 2 * n + 1))
+    for step in range(n + 1, 2 * n + 1):
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), (step, a[step], b[step])
+    assert latest.read_text().strip() == f"step_{2 * n:08d}"
 
 
 @pytest.mark.parametrize("args, message", [
     (["train.precision=bf16"], "trains in fp32"),
     (["data.max_len=5"], "must exceed draft.block_size"),
-    (["--resume"], "cannot resume"),
+    (["--resume"], "has no checkpoint"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     res = _run(["--run-dir", str(tmp_path / "run"), *TINY_MOE, *args])

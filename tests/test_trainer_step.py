@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_trainer_step.py -q
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 
@@ -121,3 +122,64 @@ def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
     for (n, p), q in zip(engine.module.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
         assert not torch.equal(q.detach(), init[n]), f"{n} never moved"
+
+
+@pytest.mark.parametrize("head_kind", ["markov", "rnn"])
+def test_only_the_low_rank_table_gets_the_head_lr(head_kind):
+    """train.head_lr_scale speeds up W1/W2 (W2 starts at zero); the RNN head's gate/cell/output layers are
+    ordinary dense layers and train at the backbone's lr."""
+    from pipeline.config import RunConfig
+    from workers.train_step import param_groups
+
+    cfg = RunConfig()
+    cfg.draft, cfg.train.lr, cfg.train.head_lr_scale = dense_cfg(head=head_kind, rnn_state_size=24), 1e-3, 7.0
+    embed, head = frozen_weights()
+    module = DraftWithLoss(build_draft(cfg.draft, embed, head), LossConfig())
+    groups = {g["name"]: g for g in param_groups(module, cfg)}
+    names = {id(p): n for n, p in module.named_parameters()}
+    head_names = sorted(names[id(p)] for p in groups["head"]["params"])
+    assert head_names == ["draft.head.w1.weight", "draft.head.w2_RV"]
+    assert groups["head"]["lr"] == pytest.approx(7e-3) and groups["backbone"]["lr"] == pytest.approx(1e-3)
+    backbone = {names[id(p)] for p in groups["backbone"]["params"]}
+    rnn_layers = {n for n in names.values() if n.startswith("draft.head.w_")}
+    assert bool(rnn_layers) == (head_kind == "rnn") and rnn_layers <= backbone
+    assert len(head_names) + len(backbone) == len(names)  # every trainable parameter in exactly one group
+
+
+def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
+    """TorchEngine's checkpoint (through CheckpointManager: safetensors weights, optimizer/scheduler/RNG loaded with
+    weights_only=True) restores a fresh engine so that its next steps equal an uninterrupted engine's exactly."""
+    from pipeline.config import RunConfig
+    from workers.checkpoint import CheckpointManager
+    from workers.single_process import TorchEngine
+
+    cfg = RunConfig()
+    cfg.draft, cfg.loss = dense_cfg(block_size=4), LossConfig(chunk_rows=5)
+    cfg.train.lr, cfg.train.max_steps, cfg.train.warmup_steps, cfg.train.grad_accum = 1e-2, 6, 2, 2
+    embed, head = frozen_weights()
+    batches = [make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1),
+               make_batch([15], [(0, 2), (0, 6), (0, 12), (0, 13)], 4, feat_width=32, seed=2)]
+    micro = [(b, _stats(b), 0) for b in batches]
+
+    def engine(seed: int) -> TorchEngine:
+        torch.manual_seed(seed)
+        return TorchEngine(DraftWithLoss(build_draft(cfg.draft, embed, head), cfg.loss), cfg)
+
+    straight = engine(0)
+    for _ in range(3):
+        optimizer_step(straight, micro, cfg.loss.decay_lambda, world=1)
+    ckpts = CheckpointManager(tmp_path, keep_last=1)
+    path = ckpts.save(straight, 3, {"config": cfg.to_dict(), "engine": "DeepSpeedEngine"}, 0, lambda: None)
+    with pytest.raises(RuntimeError, match="holds DeepSpeedEngine state"):  # the other trainer's checkpoint
+        ckpts.load(engine(1), path, 0)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "engine": "TorchEngine"}))
+    assert sorted(p.name for p in (path / "ds").iterdir()) == ["model.safetensors", "optimizer.pt", "scheduler.pt"]
+    resumed = engine(1)  # other initial weights: everything must come from the checkpoint
+    assert ckpts.load(resumed, ckpts.latest(), 0)["step"] == 3
+    for _ in range(3):
+        a = optimizer_step(straight, micro, cfg.loss.decay_lambda, world=1)[0]
+        b = optimizer_step(resumed, micro, cfg.loss.decay_lambda, world=1)[0]
+        assert a == b and straight.get_lr() == resumed.get_lr()
+    for (n, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
+        assert torch.equal(p, q), n

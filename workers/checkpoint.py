@@ -1,10 +1,12 @@
-"""Atomic, resumable checkpoints of a DeepSpeed-trained draft, and the final export.
+"""Atomic, resumable checkpoints of a draft in training (any engine with DeepSpeed's save_checkpoint /
+load_checkpoint), and the final export.
 
 Layout under <run_dir>/checkpoints/:
     step_00000050/          one complete checkpoint
-        ds/...              DeepSpeed state: model, per-rank optimizer shards, LR scheduler
+        ds/...              engine state: DeepSpeed's model, per-rank optimizer shards and LR scheduler, or
+                            (single process) TorchEngine's model.safetensors, optimizer.pt, scheduler.pt
         rng_rank{r}.pt      each rank's torch RNG state
-        meta.json           step, data position, the resolved run config, wall time
+        meta.json           step, data position, the resolved run config, the engine's class, wall time
     latest                  text file naming the newest complete checkpoint directory
 A checkpoint is written into `step_XXXXXXXX.tmp/` by all ranks and renamed by rank 0 only after every rank
 finished and meta.json is on disk, so a crash at any point leaves either the old `latest` or a complete new one;
@@ -73,15 +75,20 @@ class CheckpointManager:
         return final
 
     def load(self, engine: Any, path: Path, rank: int) -> dict[str, Any]:
-        """Restore DeepSpeed state and this rank's RNG; returns meta.json."""
+        """Restore the engine's state and this rank's RNG; returns meta.json."""
+        meta = json.loads((path / "meta.json").read_text())
+        kind = type(engine).__name__
+        if meta.get("engine", kind) != kind:
+            raise RuntimeError(f"{path} holds {meta['engine']} state and this run trains with {kind}: resume it with "
+                               "the trainer that wrote it (with or without --single-process), or use a new run dir")
         load_path, _ = engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+            raise RuntimeError(f"the engine could not load the checkpoint in {path}")
         rng = path / f"rng_rank{rank}.pt"
         if rng.is_file():
-            torch.set_rng_state(torch.load(rng))
-        return json.loads((path / "meta.json").read_text())
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+        return meta
 
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))

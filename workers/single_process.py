@@ -2,23 +2,27 @@
 
 The pieces are the distributed pipeline's own: `TargetWorker.encode` makes the features (rounded through the wire
 dtype, as on the object store), pipeline/order.py fixes the batch order, pipeline/packing.py packs the blocks, and
-`optimizer_step` from workers/train_step.py runs the step. Only the engine differs: `TorchEngine` is torch's AdamW,
-gradient-norm clipping and a LambdaLR that follows DeepSpeed's WarmupCosineLR step for step; with the same config
-it updates the parameters exactly as the DeepSpeed engine does (tests/test_single_process.py checks this).
+the shared loop (workers/train_loop.py) runs the steps. Only the engine and the batch source differ: `TorchEngine`
+is torch's AdamW, gradient-norm clipping and a LambdaLR that follows DeepSpeed's WarmupCosineLR step for step
+(with the same config it updates the parameters exactly as the DeepSpeed engine does: tests/test_trainer_step.py);
+`LocalBatches` runs the target for the next step on a background thread while this one trains.
 
 Use it on one GPU or CPU where Ray and DeepSpeed are not installed (bench/drafters.py on a lent accelerator) and
-for debugging. It writes metrics.jsonl, config.yaml and the export, but no resumable checkpoints: runs that must
-survive a stop go through launch/train_v4_draft.py. The draft trains in fp32 (TF32 matmuls on CUDA); the target
-runs in target.dtype.
+for debugging. It writes the same resumable checkpoints as the Ray trainers (workers/checkpoint.py layout, with
+TorchEngine's state under ds/), and running it again on the same run dir resumes from `latest`. The draft trains in
+fp32 (TF32 matmuls on CUDA); the target runs in target.dtype.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,17 +32,9 @@ from draft_model.registry import build_draft
 from pipeline.config import RunConfig, save_config
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
-from pipeline.packing import PackStats
-from workers.checkpoint import export_draft
-from workers.train_step import (
-    DraftWithLoss,
-    export_meta,
-    format_step,
-    optimizer_step,
-    pack_micro_batch,
-    param_groups,
-    step_metrics,
-)
+from workers.checkpoint import CheckpointManager, export_draft
+from workers.train_loop import MicroBatch, fit, resume
+from workers.train_step import DraftWithLoss, export_meta, pack_micro_batch, param_groups
 
 
 def warmup_cosine_ratio(iteration: int, total_steps: int, warmup_steps: int, cos_min_ratio: float) -> float:
@@ -54,7 +50,7 @@ def warmup_cosine_ratio(iteration: int, total_steps: int, warmup_steps: int, cos
 
 
 class TorchEngine:
-    """The slice of DeepSpeed's engine interface that `optimizer_step` uses, on plain torch."""
+    """The slice of DeepSpeed's engine interface that the training loop uses, on plain torch."""
 
     def __init__(self, module: nn.Module, cfg: RunConfig) -> None:
         t = cfg.train
@@ -87,19 +83,80 @@ class TorchEngine:
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
+    def save_checkpoint(self, save_dir: str, tag: str) -> None:
+        """<save_dir>/<tag>/: model.safetensors (the module's state, frozen target weights excluded),
+        optimizer.pt and scheduler.pt (tensors and plain values only: loadable with weights_only=True)."""
+        from safetensors.torch import save_file
 
-def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "auto") -> Path:
-    """Train `cfg` to the end in this process; returns the export directory."""
-    from workers.orchestrate import InputError, resolve_inputs
+        if self._micro % self.grad_accum:
+            raise RuntimeError("a checkpoint between micro-steps would lose the accumulated gradients")
+        out = Path(save_dir) / tag
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.module.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), out / "scheduler.pt")
+
+    def load_checkpoint(self, load_dir: str, tag: str, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
+        """Restore what `save_checkpoint` wrote; (None, {}) when it is not there, as DeepSpeed answers."""
+        from safetensors.torch import load_file
+
+        src = Path(load_dir) / tag
+        if not (src / "model.safetensors").is_file():
+            return None, {}
+        device = next(self.module.parameters()).device
+        self.module.load_state_dict(load_file(str(src / "model.safetensors"), device=str(device)), strict=True)
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(torch.load(src / "optimizer.pt", map_location=device, weights_only=True))
+        if load_lr_scheduler_states:
+            self.scheduler.load_state_dict(torch.load(src / "scheduler.pt", weights_only=True))
+        return str(src), {}
+
+
+class LocalBatches:
+    """Micro-batches from an in-process TargetWorker. `start(step)` hands the step to one background thread,
+    so the target encodes step s+1 while step s trains; steps are made one at a time, in order, so the features
+    are the ones a sequential run makes."""
+
+    def __init__(self, worker: Any, samples: list, cfg: RunConfig, device: torch.device) -> None:
+        self.worker, self.samples, self.cfg, self.device = worker, samples, cfg, device
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        self._pending: dict[int, Future] = {}
+
+    def _make(self, step: int) -> list[MicroBatch]:
+        cfg, out = self.cfg, []
+        for m in range(cfg.train.grad_accum):
+            b = batch_index_for(step, m, 0, cfg.train.grad_accum, 1)
+            ids = batch_sample_ids(b, len(self.samples), cfg.data.samples_per_batch, cfg.data.seed)
+            fb = self.worker.encode(b, [self.samples[i] for i in ids])
+            out.append(pack_micro_batch(fb, b, cfg, len(self.samples), torch.float32, self.device))
+        return out
+
+    def start(self, step: int) -> None:
+        self._pending[step] = self._pool.submit(self._make, step)
+
+    def take(self, step: int) -> list[MicroBatch]:
+        return self._pending.pop(step).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+
+
+def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "auto",
+                         resume_from: Path | None = None) -> Path:
+    """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
+    directory."""
+    from workers.orchestrate import InputError, check_resume, resolve_inputs
     from workers.target_worker import TargetWorker
 
     if cfg.train.precision != "fp32":
         raise InputError("the single-process trainer trains in fp32 (TF32 on CUDA); bf16 master-weight training "
                          "is DeepSpeed's: use launch/train_v4_draft.py, or set train.precision=fp32")
+    if resume_from is not None:
+        check_resume(cfg, json.loads((Path(resume_from) / "meta.json").read_text()))
     run_dir = Path(cfg.checkpoint.run_dir)
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "export").exists():
-        raise InputError(f"{run_dir} already holds a run (metrics.jsonl or export/); a single-process run cannot "
-                         "resume or share a run dir: use a new one")
     target_path, samples = resolve_inputs(cfg, log)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
@@ -117,33 +174,18 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     embed_VD, lm_head_VD = worker.embedding_weights()
     module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
     engine = TorchEngine(module, cfg)
+    ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
+    start_step = resume(engine, ckpts, resume_from, 0, log)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     sink = JsonlSink(str(run_dir / "metrics.jsonl"))
-    log.info("single-process training of a %s draft (%d layers, head %s, gamma %d) on %s for %d steps; %d samples",
-             cfg.draft.arch, cfg.draft.num_layers, cfg.draft.head, cfg.draft.block_size, dev, cfg.train.max_steps,
-             len(samples))
+    log.info("single-process training of a %s draft (%d layers, head %s, gamma %d) on %s for %d steps; %d samples;"
+             " %s", cfg.draft.arch, cfg.draft.num_layers, cfg.draft.head, cfg.draft.block_size, dev,
+             cfg.train.max_steps, len(samples), f"resuming from {resume_from}" if resume_from else "fresh start")
     t_start = time.time()
     try:
-        for step in range(cfg.train.max_steps):
-            t0 = time.time()
-            micro: list[tuple[BlockBatch, PackStats, int]] = []
-            for m in range(cfg.train.grad_accum):
-                b = batch_index_for(step, m, 0, cfg.train.grad_accum, 1)
-                ids = batch_sample_ids(b, len(samples), cfg.data.samples_per_batch, cfg.data.seed)
-                fb = worker.encode(b, [samples[i] for i in ids])
-                micro.append(pack_micro_batch(fb, b, cfg, len(samples), torch.float32, dev))
-            t_data = time.time() - t0
-            acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, 1)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            metrics = step_metrics(list(acc.values()), global_w, cfg, 1, time.time() - t0, t_data,
-                                   engine.get_lr()[0], step + 1)
-            sink.log(step + 1, metrics)
-            if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.max_steps:
-                eta = (time.time() - t_start) / (step + 1) * (cfg.train.max_steps - step - 1)
-                log.info("%s", format_step(step + 1, cfg.train.max_steps, metrics, eta))
+        fit(engine, LocalBatches(worker, samples, cfg, dev), ckpts, sink, cfg, 0, 1, start_step, log)
     finally:
         sink.close()
     state = {k: v.detach().float().cpu() for k, v in module.draft.state_dict().items()}

@@ -4,12 +4,14 @@ with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `en
 optimizer at the gradient-accumulation boundary).
 
 Loss scaling: the engine divides the loss by grad_accum and averages gradients over R ranks; we want the gradient
-of Σ_all numerators / Σ_all weights, so each micro-batch's loss is numerator / global_weight_sum · R · grad_accum.
+of Σ_all numerators / Σ_all weights + mean_all aux, so each micro-batch's loss is
+numerator / global_weight_sum · R · grad_accum + aux (the MoE balance loss is already a per-micro-batch mean).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,18 +28,37 @@ from pipeline.packing import PackStats, pack
 
 
 class DraftWithLoss(nn.Module):
-    """The draft and its loss in one module, so that ZeRO-3 has every parameter gathered while the loss runs."""
+    """The draft and its loss in one module, so that ZeRO-3 has every parameter gathered while the loss runs.
+
+    forward returns the LossParts tensors as a plain tuple (`as_loss_parts` rebuilds the dataclass). ZeRO-3
+    attaches its pre-backward hook, which re-gathers this module's parameters and its external ones (the
+    sequential head's W2, read here outside any submodule's forward), only to tensors it finds in a module's
+    output, and it does not look inside a dataclass: with LossParts returned, W2 stayed partitioned (size 0)
+    when the vocabulary loss's backward and W2's gradient hook ran, and the first backward failed with
+    "The size of tensor a (0) must match the size of tensor b (V)". (The loss's autograd Function saves W2
+    itself, not a copy, so its backward reads whatever ZeRO has gathered by then: the hook makes that all of it.)
+    """
 
     def __init__(self, draft: nn.Module, loss_cfg: LossConfig) -> None:
         super().__init__()
         self.draft = draft
         self.loss_cfg = loss_cfg
 
-    def forward(self, batch: BlockBatch) -> LossParts:
+    def forward(self, batch: BlockBatch) -> tuple[torch.Tensor, ...]:
         out = self.draft(batch)
         target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()]
-        return output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
-                           target_hidden_NKD, batch.valid_NK, self.loss_cfg)
+        parts = output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
+                            target_hidden_NKD, batch.valid_NK, self.loss_cfg)
+        return tuple(getattr(parts, name) for name in _PART_TENSORS)
+
+
+_PART_TENSORS = ("ce_sum", "tv_sum", "conf_sum", "aux_loss", "weight_sum", "c_star_NK")
+
+
+def as_loss_parts(outputs: tuple[torch.Tensor, ...], loss_cfg: LossConfig) -> LossParts:
+    """The LossParts of a `DraftWithLoss` forward (any engine wrapping it returns its tuple unchanged)."""
+    return LossParts(**dict(zip(_PART_TENSORS, outputs, strict=True)), ce_weight=loss_cfg.ce_weight,
+                     tv_weight=loss_cfg.tv_weight, conf_weight=loss_cfg.conf_weight)
 
 
 def share_moe_load(draft: nn.Module) -> None:
@@ -84,11 +105,15 @@ def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], 
     local_w = sum(float(position_weights(bb.valid_NK, decay_lambda).sum()) for bb, _, _ in micro)
     (global_w,) = all_reduce_sum([local_w])
     scale = world * len(micro)
+    loss_cfg = engine.module.loss_cfg
     acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks"),
                         0.0)
     for bb, stats, wire_bytes in micro:
-        parts = engine(bb)
-        loss = parts.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale
+        parts = as_loss_parts(engine(bb), loss_cfg)
+        # only the normalised term is rescaled: the engine's average over world·grad_accum micro-batches then
+        # leaves Σ numerators / Σ w plus the *mean* MoE aux loss, which is what step_metrics logs
+        weighted = replace(parts, aux_loss=torch.zeros_like(parts.aux_loss))
+        loss = weighted.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale + parts.aux_loss
         engine.backward(loss)
         engine.step()
         blocks = int(bb.valid_NK.any(-1).sum())
@@ -105,10 +130,12 @@ def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], 
 def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     """Trainable parameters as optimizer groups: the sequential head's low-rank table (W1, W2) at
     lr · train.head_lr_scale, everything else at lr. W2 starts at zero, so the head's bias W1[x]·W2 grows from
-    nothing at a rate set by this scale; schedulers scale each group's own lr."""
+    nothing at a rate set by this scale. The RNN head's gate, candidate and output layers are ordinary dense
+    layers initialised like the backbone's, so they stay in the backbone group. Schedulers scale each group's
+    own lr."""
     draft = module.draft if isinstance(module, DraftWithLoss) else module
     head = getattr(draft, "head", None)
-    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    head_ids = {id(head.w1.weight), id(head.w2_RV)} if head is not None else set()
     trainable = [p for p in module.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if id(p) not in head_ids], "lr": cfg.train.lr, "name": "backbone"}]
     head_params = [p for p in trainable if id(p) in head_ids]
