@@ -82,7 +82,8 @@ def expected_tau(c_star_NK: Tensor, valid_NK: Tensor) -> Tensor:
     """
     survive_NK = torch.cumprod(c_star_NK.detach().float() * valid_NK, dim=-1)
     tau_N = 1.0 + survive_NK.sum(-1)
-    return tau_N[valid_NK.any(-1)].mean()
+    has_N = valid_NK.any(-1)
+    return (tau_N * has_N).sum() / has_N.sum()  # a masked mean: no data-dependent shape, no sync
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -265,8 +266,13 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
     if naive:
         ce_M, l1_M = _naive_rows(*rows)
     else:
-        # the upstream gradient LossParts.total() will send, up to 1/global_weight_sum (see _VocabRowsLoss)
-        ce_M, l1_M = _VocabRowsLoss.apply(*rows, cfg.ce_weight * w_M, cfg.tv_weight * w_M, cfg.chunk_rows)
+        # the upstream gradient LossParts.total() will send, up to 1/global_weight_sum (see _VocabRowsLoss). Its
+        # chunks are built with in-place matmuls, which autocast does not cast: it runs in its inputs' dtype
+        # (fp32 for an autocast backbone, bf16 for a bf16 model), with autocast off
+        with torch.autocast(hidden_NKD.device.type, enabled=False):
+            ce_M, l1_M = _VocabRowsLoss.apply(*(r if r is None or not r.is_floating_point() else r.to(rows[2].dtype)
+                                                for r in rows), cfg.ce_weight * w_M, cfg.tv_weight * w_M,
+                                              cfg.chunk_rows)
 
     c_star_M = (1.0 - 0.5 * l1_M.detach()).clamp(0.0, 1.0)
     c_star_NK = w_M.new_zeros(valid_NK.numel()).index_copy_(0, idx_M, c_star_M).view(valid_NK.shape)

@@ -76,7 +76,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     grad_accum: int = 1
     zero_stage: int = 2
-    precision: str = "fp32"  # "fp32" | "bf16"
+    precision: str = "fp32"  # "fp32" | "bf16" (DeepSpeed's bf16 mode; --single-process: bf16 autocast on a GPU)
+    compile: bool = False  # torch.compile each draft decoder layer (workers/train_step.compile_draft)
     seed: int = 0
     log_every: int = 1
     tensorboard: bool = True

@@ -231,3 +231,19 @@ def test_padded_baseline_density():
     assert padded_baseline_density([2, 4, 10], [2, 4, 5], batch_size=2) == pytest.approx(11 / 18)
     with pytest.raises(ValueError, match="trainable"):
         padded_baseline_density([2, 4], [3, 1])
+
+
+def test_trainers_pack_with_the_configured_anchor_rule():
+    """data.full_blocks_first reaches the packer through the trainers' shared pack_micro_batch."""
+    from pipeline.config import load_config
+    from workers.train_step import pack_micro_batch
+
+    fb = feature_batch([(i, list(range(40)), [True] * 40) for i in range(3)])
+    for full_first in (True, False):
+        cfg = load_config(None, [f"data.full_blocks_first={str(full_first).lower()}", "data.anchors_per_seq=8",
+                                 "draft.block_size=5"])
+        bb, _, _ = pack_micro_batch(fb, 0, cfg, 3, torch.float32, torch.device("cpu"))
+        ref, _ = pack([fb.decode(torch.float32)], 5, 8, cfg.data.seed, full_blocks_first=full_first)
+        assert torch.equal(bb.anchor_pos_N, ref.anchor_pos_N)
+    assert not torch.equal(*(pack([fb.decode(torch.float32)], 5, 8, 0, full_blocks_first=f)[0].anchor_pos_N
+                             for f in (True, False)))

@@ -106,7 +106,7 @@ def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["train.precision=bf16"], "trains in fp32"),
+    (["train.precision=bf16"], "bf16 (autocast) on a CPU"),
     (["data.max_len=5"], "must exceed draft.block_size"),
     (["--resume"], "has no checkpoint"),
 ])

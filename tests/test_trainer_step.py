@@ -183,3 +183,82 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
         assert a == b and straight.get_lr() == resumed.get_lr()
     for (n, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_host_weight_sum_equals_position_weights():
+    """The loss denominator computed on the host from the packer's valid lengths equals the device one."""
+    import numpy as np
+
+    from draft_model.loss import position_weights
+    from workers.train_step import host_weight_sum
+
+    valid_NK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    for lam in (0.5, 4.0, 100.0):
+        expect = float(position_weights(valid_NK, lam, dtype=torch.float64).sum())
+        got = host_weight_sum(valid_NK.sum(-1).numpy(), 5, lam)
+        assert abs(got - expect) < 1e-12 * expect, (lam, got, expect)
+    assert host_weight_sum(np.zeros(3, dtype=np.int64), 5, 4.0) == 0.0
+
+
+def _tiny_run_cfg():
+    from pipeline.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.draft, cfg.loss = dense_cfg(block_size=4), LossConfig(chunk_rows=5)
+    cfg.train.lr, cfg.train.max_steps, cfg.train.warmup_steps = 1e-2, 6, 1
+    return cfg
+
+
+def test_torch_engine_bf16_autocast_keeps_fp32_master_weights():
+    """train.precision=bf16 in the single-process engine is autocast: the forward's matmuls run in bf16 (its loss
+    moves off the fp32 one, by about bf16's resolution), while the parameters and their update stay fp32."""
+    from workers.single_process import TorchEngine
+    from workers.train_step import as_loss_parts
+
+    cfg = _tiny_run_cfg()
+    embed, head = frozen_weights()
+    batch = make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        cfg.train.precision = precision
+        torch.manual_seed(0)
+        engine = TorchEngine(DraftWithLoss(build_draft(cfg.draft, embed, head), cfg.loss), cfg)
+        parts = as_loss_parts(engine(batch), cfg.loss)
+        losses[precision] = float(parts.total(parts.weight_sum))
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        for _ in range(3):  # DeepSpeed's schedule (which TorchEngine follows) starts with two zero-lr steps
+            optimizer_step(engine, [(batch, _stats(batch), 0)], cfg.loss.decay_lambda, world=1)
+        assert all(p.dtype == torch.float32 for p in engine.module.parameters())
+        assert any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    assert losses["bf16"] != losses["fp32"]
+    assert abs(losses["bf16"] - losses["fp32"]) < 3e-2 * abs(losses["fp32"])
+
+
+@pytest.mark.slow
+def test_compiled_draft_layers_match_eager():
+    """train.compile: torch.compile of every backbone layer (applied from workers/) gives the eager loss and
+    gradients, on two batches of different shapes (dynamic shapes, no recompile per batch)."""
+    from workers.train_step import as_loss_parts, compile_draft
+
+    cfg = _tiny_run_cfg()
+    embed, head = frozen_weights()
+    batches = [make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1),
+               make_batch([15, 7, 11], [(0, 2), (0, 6), (1, 3), (2, 8)], 4, feat_width=32, seed=2)]
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        module = DraftWithLoss(build_draft(cfg.draft, embed, head), cfg.loss)
+        if compiled:
+            assert compile_draft(module.draft) == cfg.draft.num_layers
+        out = []
+        for b in batches:
+            parts = as_loss_parts(module(b), cfg.loss)
+            loss = parts.total(parts.weight_sum)
+            module.zero_grad()
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in module.parameters() if p.grad is not None]))
+        results.append(out)
+    for (l_eager, g_eager), (l_comp, g_comp) in zip(*results):
+        torch.testing.assert_close(l_comp, l_eager, atol=1e-5, rtol=1e-5)
+        for a, b in zip(g_comp, g_eager):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -34,7 +34,7 @@ from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
 from workers.checkpoint import CheckpointManager, export_draft
 from workers.train_loop import MicroBatch, fit, resume
-from workers.train_step import DraftWithLoss, export_meta, pack_micro_batch, param_groups
+from workers.train_step import DraftWithLoss, compile_draft, export_meta, pack_micro_batch, param_groups
 
 
 def warmup_cosine_ratio(iteration: int, total_steps: int, warmup_steps: int, cos_min_ratio: float) -> float:
@@ -63,9 +63,14 @@ class TorchEngine:
                         cos_min_ratio=t.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda e: ratio(e - 1))
         self._micro = 0
+        # train.precision=bf16 here is autocast: bf16 matmuls, fp32 master weights, optimizer and loss reductions
+        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
 
     def __call__(self, batch: BlockBatch):
-        return self.module(batch)
+        device_type = batch.input_ids_T.device.type
+        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            return self.module(batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.grad_accum).backward()
@@ -151,9 +156,10 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     from workers.orchestrate import InputError, check_resume, resolve_inputs
     from workers.target_worker import TargetWorker
 
-    if cfg.train.precision != "fp32":
-        raise InputError("the single-process trainer trains in fp32 (TF32 on CUDA); bf16 master-weight training "
-                         "is DeepSpeed's: use launch/train_v4_draft.py, or set train.precision=fp32")
+    on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
+    if cfg.train.precision == "bf16" and not on_gpu:
+        raise InputError("train.precision=bf16 (autocast) on a CPU is 30-70x slower than fp32 on CPUs without "
+                         "AMX: set train.precision=fp32, or run on a GPU")
     if resume_from is not None:
         check_resume(cfg, json.loads((Path(resume_from) / "meta.json").read_text()))
     run_dir = Path(cfg.checkpoint.run_dir)
@@ -173,6 +179,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     torch.manual_seed(cfg.train.seed)
     embed_VD, lm_head_VD = worker.embedding_weights()
     module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
+    if cfg.train.compile:
+        compile_draft(module.draft)
     engine = TorchEngine(module, cfg)
     ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
     start_step = resume(engine, ckpts, resume_from, 0, log)

@@ -14,13 +14,14 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
-from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
+from draft_model.loss import LossParts, expected_tau, output_loss
 from pipeline.config import RunConfig
 from pipeline.contracts import FeatureBatch
 from pipeline.order import batches_per_epoch
@@ -61,6 +62,18 @@ def as_loss_parts(outputs: tuple[torch.Tensor, ...], loss_cfg: LossConfig) -> Lo
                      tv_weight=loss_cfg.tv_weight, conf_weight=loss_cfg.conf_weight)
 
 
+def compile_draft(draft: nn.Module) -> int:
+    """torch.compile every decoder layer of the draft backbone in place (dynamic shapes: T and N change every
+    batch); returns how many. Applied here, never inside draft_model/. The first steps pay the compile (minutes on
+    a small CPU); on a 2-core CPU it measured no faster than eager (docs/design-notes.md), so it is off by default."""
+    layers = getattr(getattr(draft, "backbone", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"train.compile: {type(draft).__name__} has no backbone layers to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def share_moe_load(draft: nn.Module) -> None:
     """Make every data-parallel replica apply the same loss-free balance-bias update (from the global load)."""
     from draft_model.moe import MoE
@@ -90,7 +103,8 @@ def pack_micro_batch(fb: FeatureBatch, batch_index: int, cfg: RunConfig, num_sam
     per rank or trainer kind. (With data.replay_batches, fb is a replayed batch: the epoch is still `batch_index`'s.)"""
     wire_bytes = fb.nbytes()
     epoch = batch_index // batches_per_epoch(num_samples, cfg.data.samples_per_batch)
-    bb, stats = pack([fb.decode(dtype)], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch)
+    bb, stats = pack([fb.decode(dtype)], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch,
+                     full_blocks_first=cfg.data.full_blocks_first)
     return bb.to(device), stats, wire_bytes
 
 
@@ -102,13 +116,14 @@ def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], 
     valid masks); each micro-batch's loss is scaled by world·grad_accum/Σw, undoing DeepSpeed's averaging, so the
     update is the gradient of (Σ numerators)/(Σ w) over the global batch. Returns this rank's metric sums and Σw.
     """
-    local_w = sum(float(position_weights(bb.valid_NK, decay_lambda).sum()) for bb, _, _ in micro)
+    lengths = [bb.host_index().valid_len_N for bb, _, _ in micro]  # host copies: no device sync for Σw
+    local_w = sum(host_weight_sum(n_N, bb.block_size, decay_lambda) for n_N, (bb, _, _) in zip(lengths, micro))
     (global_w,) = all_reduce_sum([local_w])
     scale = world * len(micro)
     loss_cfg = engine.module.loss_cfg
-    acc = dict.fromkeys(("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks"),
-                        0.0)
-    for bb, stats, wire_bytes in micro:
+    acc = dict.fromkeys(("trained", "wire", "useful", "computed", "blocks"), 0.0)
+    device_sums = None  # ce, tv, conf, aux, tau_sum summed on the device: one transfer per step, not five per micro
+    for (bb, stats, wire_bytes), n_N in zip(micro, lengths):
         parts = as_loss_parts(engine(bb), loss_cfg)
         # only the normalised term is rescaled: the engine's average over world·grad_accum micro-batches then
         # leaves Σ numerators / Σ w plus the *mean* MoE aux loss, which is what step_metrics logs
@@ -116,15 +131,25 @@ def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], 
         loss = weighted.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale + parts.aux_loss
         engine.backward(loss)
         engine.step()
-        blocks = int(bb.valid_NK.any(-1).sum())
-        for key, value in (("ce", parts.ce_sum.item()), ("tv", parts.tv_sum.item()),
-                           ("conf", parts.conf_sum.item()), ("aux", parts.aux_loss.item()),
-                           ("trained", int(bb.valid_NK.sum())), ("wire", wire_bytes),
-                           ("useful", stats.useful_block_tokens), ("computed", stats.computed_block_tokens),
-                           ("tau_sum", expected_tau(parts.c_star_NK, bb.valid_NK).item() * blocks if blocks else 0.0),
-                           ("blocks", blocks)):
+        blocks = int((n_N > 0).sum())
+        tau_sum = expected_tau(parts.c_star_NK, bb.valid_NK) * blocks if blocks else parts.ce_sum.new_zeros(())
+        sums = torch.stack([t.detach().to(torch.float64) for t in (parts.ce_sum, parts.tv_sum, parts.conf_sum,
+                                                                     parts.aux_loss, tau_sum)])
+        device_sums = sums if device_sums is None else device_sums + sums
+        for key, value in (("trained", int(n_N.sum())), ("wire", wire_bytes), ("useful", stats.useful_block_tokens),
+                           ("computed", stats.computed_block_tokens), ("blocks", blocks)):
             acc[key] += value
-    return acc, global_w
+    ce, tv, conf, aux, tau = device_sums.tolist() if device_sums is not None else [0.0] * 5
+    return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": acc["trained"], "wire": acc["wire"],
+            "useful": acc["useful"], "computed": acc["computed"], "tau_sum": tau, "blocks": acc["blocks"]}, global_w
+
+
+def host_weight_sum(valid_len_N: np.ndarray, block_size: int, decay_lambda: float) -> float:
+    """Σ of `position_weights` over blocks with these valid-prefix lengths, on the host (fp64)."""
+    if decay_lambda <= 0:
+        raise ValueError(f"decay lambda must be > 0, got {decay_lambda}")
+    cum_K1 = np.concatenate([[0.0], np.cumsum(np.exp(-np.arange(block_size) / decay_lambda))])
+    return float(cum_K1[valid_len_N].sum())
 
 
 def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:

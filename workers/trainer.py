@@ -24,7 +24,14 @@ from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, ge
 from pipeline.order import batch_index_for
 from workers.checkpoint import CheckpointManager, export_draft
 from workers.train_loop import MicroBatch, barrier, fit, resume
-from workers.train_step import DraftWithLoss, export_meta, pack_micro_batch, param_groups, share_moe_load
+from workers.train_step import (
+    DraftWithLoss,
+    compile_draft,
+    export_meta,
+    pack_micro_batch,
+    param_groups,
+    share_moe_load,
+)
 
 
 def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
@@ -100,6 +107,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
     draft = build_draft(cfg.draft, embed_VD, lm_head_VD)
     share_moe_load(draft)
+    if cfg.train.compile:
+        compile_draft(draft)
     engine = deepspeed_engine(DraftWithLoss(draft, cfg.loss), cfg)
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
     start_step = resume(engine, ckpts, loop_config.get("resume_from"), rank, log)
