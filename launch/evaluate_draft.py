@@ -4,7 +4,7 @@
         --target smollm2 --datasets humaneval gsm8k mtbench --num-prompts 10 --max-new-tokens 64 \
         --temperatures 1.0 0.0 --out runs/tiny/eval
 
-Writes report.json, report.md and acceptance.png under --out (pipeline/report.py) and prints the τ table.
+Writes report.json, report.md and acceptance.png under --out (evaluation/report.py) and prints the τ table.
 Each (draft, temperature) result is cached in --out, so an interrupted evaluation resumes.
 """
 
@@ -27,15 +27,15 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     """Evaluate every export at every temperature on the same prompts; results cached per (draft, temperature).
 
     time_limit_s bounds the whole evaluation: each temperature gets an equal share of what is left, and prompts
-    stop being started when it runs out, for all drafts alike (pipeline/evaluate.evaluate_many), so the drafts stay
+    stop being started when it runs out, for all drafts alike (evaluation/evaluate.evaluate_many), so the drafts stay
     comparable; a cut result says how many prompts ran and is not cached.
     """
     import torch
 
+    from evaluation.evaluate import evaluate_many, make_drafter
+    from evaluation.report import write_report
     from pipeline.atomic import write_text_atomic
-    from pipeline.evaluate import evaluate_many, make_drafter
     from pipeline.prompt_sets import EVAL_SETS
-    from pipeline.report import write_report
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
     from workers.checkpoint import load_exported_draft
 

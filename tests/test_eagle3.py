@@ -308,9 +308,9 @@ def test_sampled_proposal_matches_forward_on_the_same_chain():
 
 
 def test_evaluator_block_batch_drives_draft_steps():
-    """pipeline/evaluate.py builds a one-block batch from the verified prefix (cut to the sliding window): the
+    """evaluation/ builds a one-block batch from the verified prefix (cut to the sliding window): the
     chain drafted from it must equal the one from the packed training batch."""
-    from pipeline.evaluate import DecodeContext, DSparkDrafter
+    from evaluation.evaluate import DecodeContext, DSparkDrafter
 
     model = _model(_cfg(sliding_window=WINDOW))
     batch = _batch(model.cfg, blocks=[(0, P_TGT)])

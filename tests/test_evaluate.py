@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_model import sampling
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
-from pipeline.evaluate import (
+from evaluation.evaluate import (
     DecodeContext,
     DSparkDrafter,
     Eagle3Drafter,
@@ -29,7 +29,7 @@ from pipeline.evaluate import (
     generate,
     make_drafter,
 )
-from pipeline.report import expected_calibration_error, roc_auc, write_report
+from evaluation.report import expected_calibration_error, roc_auc, write_report
 from pipeline.target_model import capture_features, embedding_weights
 
 
@@ -306,7 +306,7 @@ def test_several_drafters_share_prompts_and_a_time_limit_cuts_them_alike():
             assert res["datasets"][ds]["tau"] == alone["datasets"][ds]["tau"]
     # a deadline already passed after the first prompt index: every drafter keeps prompt 0 of every dataset only
     clock = iter([0.0, 10.0, 10.0])
-    import pipeline.evaluate as ev
+    import evaluation.evaluate as ev
 
     real = ev.time.monotonic
     ev.time.monotonic = lambda: next(clock, 10.0)
@@ -367,7 +367,7 @@ def test_write_report(tmp_path):
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
 def test_moe_target_with_real_tokenizer(kind):
     """Text and chat prompts through the SmolLM2 tokenizer; the KV cache of a MoE / MLA target is cropped right."""
-    from pipeline.evaluate import encode_prompt
+    from evaluation.evaluate import encode_prompt
     from pipeline.target_model import tiny_moe_target
 
     target, tok = tiny_moe_target(kind)

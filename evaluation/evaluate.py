@@ -33,7 +33,7 @@ from torch import nn
 from draft_model import sampling
 from draft_model.batch import BlockBatch
 from draft_model.sampling import ACCEPTED, NOT_REACHED
-from pipeline.report import expected_calibration_error, roc_auc
+from evaluation.report import expected_calibration_error, roc_auc
 from pipeline.target_model import FINAL_HIDDEN, target_dims, validate_layers
 
 __all__ = ["DecodeContext", "Drafter", "DSparkDrafter", "Eagle3Drafter", "make_drafter", "RoundLog", "TargetSession",

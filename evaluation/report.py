@@ -1,6 +1,6 @@
 """Evaluation report: calibration metrics (ECE, ROC-AUC) and the report files of an offline evaluation.
 
-`write_report(results, out_dir)` takes one result of `pipeline.evaluate.evaluate` or a list of them (one per
+`write_report(results, out_dir)` takes one result of `evaluation.evaluate.evaluate` or a list of them (one per
 drafter / temperature) and writes
 - report.json       every metric of every run (generations left out),
 - report.md         one table row per (dataset, run),
