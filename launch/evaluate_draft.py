@@ -32,10 +32,11 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     """
     import torch
 
-    from evaluation.evaluate import evaluate_many, make_drafter
+    from evaluation.drafters import make_drafter
+    from evaluation.evaluate import evaluate_many
+    from evaluation.prompts import EVAL_SETS
     from evaluation.report import write_report
     from pipeline.atomic import write_text_atomic
-    from pipeline.prompt_sets import EVAL_SETS
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
     from workers.checkpoint import load_exported_draft
 

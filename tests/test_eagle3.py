@@ -310,7 +310,7 @@ def test_sampled_proposal_matches_forward_on_the_same_chain():
 def test_evaluator_block_batch_drives_draft_steps():
     """evaluation/ builds a one-block batch from the verified prefix (cut to the sliding window): the
     chain drafted from it must equal the one from the packed training batch."""
-    from evaluation.evaluate import DecodeContext, DSparkDrafter
+    from evaluation.drafters import DecodeContext, DSparkDrafter
 
     model = _model(_cfg(sliding_window=WINDOW))
     batch = _batch(model.cfg, blocks=[(0, P_TGT)])

@@ -19,17 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_model import sampling
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
-from evaluation.evaluate import (
-    DecodeContext,
-    DSparkDrafter,
-    Eagle3Drafter,
-    TargetSession,
-    evaluate,
-    evaluate_many,
-    generate,
-    make_drafter,
-)
-from evaluation.report import expected_calibration_error, roc_auc, write_report
+from evaluation.drafters import DecodeContext, DSparkDrafter, Eagle3Drafter, make_drafter
+from evaluation.evaluate import evaluate, evaluate_many
+from evaluation.metrics import expected_calibration_error, roc_auc
+from evaluation.report import write_report
+from evaluation.session import TargetSession, generate
 from pipeline.target_model import capture_features, embedding_weights
 
 
