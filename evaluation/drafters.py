@@ -1,7 +1,11 @@
-"""The Drafter contract of the evaluator and its adapters for the draft_model architectures.
+"""The Drafter contract of the evaluator and its adapter for every draft_model architecture.
 
 A Drafter reads a DecodeContext (the verified prefix before the anchor and the target's features there) and
-proposes γ tokens with the distributions they were drawn from, and its confidences when it has a head for them.
+returns a Proposal: γ tokens, the distributions they were drawn from, and its confidences when it has a head for
+them. `DSparkDrafter` adapts any registered draft model through one method, `model.draft_block(batch,
+temperature, generator) -> (tokens_NK, probs_NKV, conf_logit_NK | None)` (draft_model/model.py, eagle3.py): the
+sampling of an architecture lives beside its training forward, so the evaluator never reaches into a model's
+heads and a new architecture needs no evaluator change.
 
 Legend (shape suffixes):  L verified prefix positions   K block size γ   V vocabulary   F context feature width
 """
@@ -14,10 +18,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from draft_model import sampling
 from draft_model.batch import BlockBatch
 
-__all__ = ["DecodeContext", "Drafter", "DSparkDrafter", "Eagle3Drafter", "make_drafter"]
+__all__ = ["DecodeContext", "Drafter", "DSparkDrafter", "Proposal", "make_drafter"]
 
 
 @dataclass
@@ -29,26 +32,34 @@ class DecodeContext:
     #                         when the drafter asked for none)
 
 
+@dataclass
+class Proposal:
+    """One drafted block."""
+
+    tokens_K: torch.Tensor  # int64 drafted tokens x_1..x_γ
+    probs_KV: torch.Tensor  # the distributions they were drawn from at the decoding temperature (one-hot: greedy)
+    conf_K: torch.Tensor | None = None  # conditional confidences c_k in [0, 1] as the drafter reports them
+    conf_logit_K: torch.Tensor | None = None  # the raw pre-sigmoid logits behind conf_K (None: not a logit model)
+
+
 class Drafter(Protocol):
     name: str
     block_size: int  # γ drafted tokens per round
     target_layers: list[int]  # target hidden states wanted in DecodeContext.feats_LF (-1 = LM-head input)
 
     def propose(self, ctx: DecodeContext, anchor_token: int, temperature: float,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """-> (tokens_K int64, probs_KV: the distributions the tokens were drawn from at `temperature` (one-hot
-        when greedy), conf_K: conditional confidences c_k in [0, 1] or None)."""
+                generator: torch.Generator) -> Proposal:
         ...
 
 
-
-# ---- the DSpark / DFlash drafter -----------------------------------------------------------------------------
-
-
 class DSparkDrafter:
-    """A `draft_model.model.DraftModel` as a Drafter: one block at the anchor of a single sequence."""
+    """A draft model (any architecture with `draft_block`: DSpark, DFlash, Eagle3) as a Drafter: one block at the
+    anchor of a single sequence."""
 
     def __init__(self, model: nn.Module, name: str = "dspark") -> None:
+        if not callable(getattr(model, "draft_block", None)):
+            raise ValueError(f"{type(model).__name__} has no draft_block(batch, temperature, generator): "
+                             "it cannot draft")
         self.model = model.eval()
         self.name = name
         self.block_size = model.cfg.block_size
@@ -72,48 +83,19 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def propose(self, ctx: DecodeContext, anchor_token: int, temperature: float,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        m = self.model
-        window, p = m.cfg.sliding_window, ctx.ids_L.shape[0]
+                generator: torch.Generator) -> Proposal:
+        window, p = self.model.cfg.sliding_window, ctx.ids_L.shape[0]
         # with a sliding window only the last `window` context tokens are visible: hand over just those; shifting
         # every position by the same amount leaves RoPE attention unchanged (it depends on differences only)
         batch = self.block_batch(ctx, anchor_token, start=max(0, p - window) if window > 0 else 0)
-        lm_VD = m.lm_head_weight()
-        hidden_KD = m.backbone_hidden(batch)[0]
-        base_KV = hidden_KD.to(lm_VD.dtype) @ lm_VD.t()
-        embeds: list[torch.Tensor] = []
-        step_fn = None
-        if m.head is not None:
-            w2_RV = m.head_w2()
-            state = None
-
-            def step_fn(k: int, prev_B: torch.Tensor) -> torch.Tensor:
-                nonlocal state
-                factor_BR, prev_embed_BR, state = m.head.step(hidden_KD[k][None], prev_B, state)
-                embeds.append(prev_embed_BR[0])
-                return (factor_BR @ w2_RV).to(base_KV.dtype)
-
-        tokens_K, probs_KV = sampling.sample_block(base_KV, step_fn, anchor_token, temperature, generator)
-        conf_K = None
-        if m.conf_proj is not None:
-            prev_embed_KR = torch.stack(embeds) if embeds else None
-            conf_K = torch.sigmoid(m.confidence_logit(hidden_KD, prev_embed_KR).float())
-        return tokens_K, probs_KV, conf_K
-
-
-class Eagle3Drafter(DSparkDrafter):
-    """An `draft_model.eagle3.Eagle3Draft` as a Drafter: chain drafting over the same one-block batch."""
-
-    @torch.no_grad()
-    def propose(self, ctx: DecodeContext, anchor_token: int, temperature: float,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        window, p = self.model.cfg.sliding_window, ctx.ids_L.shape[0]
-        batch = self.block_batch(ctx, anchor_token, start=max(0, p - window) if window > 0 else 0)
-        out = self.model.draft_steps(batch, temperature, generator)
-        return out.tokens_NK[0], out.probs_NKV[0], None if out.conf_NK is None else out.conf_NK[0]
+        tokens_NK, probs_NKV, logit_NK = self.model.draft_block(batch, temperature, generator)
+        if logit_NK is None:
+            return Proposal(tokens_NK[0], probs_NKV[0])
+        logit_K = logit_NK[0].float()
+        return Proposal(tokens_NK[0], probs_NKV[0], torch.sigmoid(logit_K), logit_K)
 
 
 def make_drafter(model: nn.Module, name: str | None = None) -> Drafter:
     """The Drafter for a trained draft of any registered architecture."""
-    name = name or model.cfg.arch
-    return Eagle3Drafter(model, name) if hasattr(model, "draft_steps") else DSparkDrafter(model, name)
+    arch = getattr(getattr(model, "cfg", None), "arch", type(model).__name__)
+    return DSparkDrafter(model, name or arch)

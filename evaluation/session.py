@@ -132,7 +132,8 @@ def generate(target: nn.Module, drafter: Drafter, prompt_ids: list[int], tempera
                             max_len=len(prompt_ids) + max_new_tokens + drafter.block_size + 1)
     new: list[int] = []
     while len(new) < max_new_tokens:
-        tokens_K, probs_KV, conf_K = drafter.propose(session.context(), session.anchor, temperature, generator)
+        prop = drafter.propose(session.context(), session.anchor, temperature, generator)
+        tokens_K, probs_KV, conf_K = prop.tokens_K, prop.probs_KV, prop.conf_K
         logits_K1V = session.verify_forward(tokens_K)
         if logits_K1V.shape[-1] != probs_KV.shape[-1]:
             raise ValueError(f"drafter vocab {probs_KV.shape[-1]} != target vocab {logits_K1V.shape[-1]}")
