@@ -22,7 +22,7 @@ from torch import nn
 from draft_model.sampling import ACCEPTED, NOT_REACHED
 from evaluation.drafters import Drafter
 from evaluation.metrics import expected_calibration_error, roc_auc
-from evaluation.session import RoundLog, generate
+from evaluation.session import RoundLog, generate, sync
 
 __all__ = ["encode_prompt", "evaluate", "evaluate_many"]
 
@@ -107,6 +107,9 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
     Prompt i of every dataset runs for every drafter before prompt i + 1 of any, each with the same seed, so a
     time limit (`deadline_s`, a time.monotonic() value: no prompt index is started after it) leaves every drafter
     with the same prompts, as many from each dataset. Each result's num_prompts says how many ran.
+
+    A result is a JSON-able dict except for "rounds": dataset -> RoundLog (per-round records; written to
+    rounds.parquet by evaluation.rounds.write_rounds, left out of the report and of cached results).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -115,8 +118,8 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
     eos_ids = _eos_ids(target, tokenizer, eos_token_ids)
     device = target.get_output_embeddings().weight.device
     outs = [{"drafter": d.name, "gamma": d.block_size, "temperature": temperature, "max_new_tokens": max_new_tokens,
-             "seed": seed, "datasets": {}, "generations": {}} for d in drafters]
-    state = {(j, ds): {"rounds": RoundLog([], []), "gens": [], "forwards": 0, "new": 0, "wall": 0.0}
+             "seed": seed, "datasets": {}, "generations": {}, "rounds": {}} for d in drafters]
+    state = {(j, ds): {"rounds": RoundLog(), "gens": [], "forwards": 0, "new": 0, "wall": 0.0}
              for j in range(len(drafters)) for ds in prompts}
     for i in range(max((len(v) for v in prompts.values()), default=0)):
         if deadline_s is not None and time.monotonic() >= deadline_s:
@@ -130,10 +133,10 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
             for j, drafter in enumerate(drafters):
                 st = state[(j, ds)]
                 g = torch.Generator(device=device).manual_seed(prompt_seed)
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
-                new, fwd = generate(target, drafter, ids, temperature, max_new_tokens, g, eos_ids, st["rounds"])
-                _sync(device)
+                new, fwd = generate(target, drafter, ids, temperature, max_new_tokens, g, eos_ids, st["rounds"], i)
+                sync(device)
                 st["wall"] += time.perf_counter() - t0
                 st["forwards"] += fwd
                 st["new"] += len(new)
@@ -146,9 +149,5 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
             out["datasets"][ds] = _dataset_metrics(st["rounds"], st["new"], st["forwards"], st["wall"],
                                                    len(st["gens"]))
             out["generations"][ds] = st["gens"]
+            out["rounds"][ds] = st["rounds"]
     return outs
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -101,7 +101,7 @@ def write_report(results: dict | list[dict], out_dir: str | Path) -> dict[str, P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("report.json", "report.md", "acceptance.png", "generations.jsonl")}
-    summary = [{k: v for k, v in r.items() if k != "generations"} for r in runs]
+    summary = [{k: v for k, v in r.items() if k not in ("generations", "rounds")} for r in runs]
     paths["report.json"].write_text(json.dumps(_json_safe({"runs": summary}), indent=2) + "\n")
     paths["report.md"].write_text(_markdown(runs))
     _plot(runs, paths["acceptance.png"])

@@ -14,7 +14,8 @@ Legend (shape suffixes):  L verified prefix positions   K block size γ   V voca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -118,21 +119,41 @@ class TargetSession:
 
 @dataclass
 class RoundLog:
-    """Per-round records of one dataset, the raw material of its metrics."""
+    """Per-round records of one dataset, the raw material of its metrics and of rounds.parquet (evaluation/rounds.py).
 
-    accepted_RK: list[torch.Tensor]  # int8 [K] codes from VerifyResult.accepted_K, one per round
-    conf_RK: list[torch.Tensor]  # float [K] drafter confidences c_k, one per round (empty without them)
+    Rounds are verified at full γ today, so `num_accepted` is exactly "accepted had all γ been verified", the n a
+    replay under any verification policy needs (serving/simulator.py).
+    """
+
+    accepted_RK: list[torch.Tensor] = field(default_factory=list)  # int8 [K] VerifyResult.accepted_K codes
+    conf_RK: list[torch.Tensor] = field(default_factory=list)  # float [K] confidences as reported (or empty)
+    conf_logit_RK: list[torch.Tensor] = field(default_factory=list)  # float [K] raw logits behind them (or empty)
+    num_accepted_R: list[int] = field(default_factory=list)  # n: accepted draft tokens of the round
+    verified_R: list[int] = field(default_factory=list)  # draft tokens the target verified (γ: no scheduler yet)
+    draft_s_R: list[float] = field(default_factory=list)  # wall time of the drafter's propose() (synchronised)
+    prompt_R: list[int] = field(default_factory=list)  # index of the prompt (one replay stream per prompt)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued kernels, so that a wall-clock reading counts them (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def generate(target: nn.Module, drafter: Drafter, prompt_ids: list[int], temperature: float, max_new_tokens: int,
              generator: torch.Generator, eos_ids: set[int] | frozenset[int] = frozenset(),
-             rounds: RoundLog | None = None) -> tuple[list[int], int]:
-    """Speculative decoding of one prompt -> (new tokens, target forwards). Round records go to `rounds`."""
+             rounds: RoundLog | None = None, prompt_index: int = 0) -> tuple[list[int], int]:
+    """Speculative decoding of one prompt -> (new tokens, target forwards). Round records go to `rounds`, tagged
+    with `prompt_index`."""
     session = TargetSession(target, drafter.target_layers, prompt_ids,
                             max_len=len(prompt_ids) + max_new_tokens + drafter.block_size + 1)
     new: list[int] = []
     while len(new) < max_new_tokens:
+        sync(session.device)
+        t0 = time.perf_counter()
         prop = drafter.propose(session.context(), session.anchor, temperature, generator)
+        sync(session.device)
+        draft_s = time.perf_counter() - t0
         tokens_K, probs_KV, conf_K = prop.tokens_K, prop.probs_KV, prop.conf_K
         logits_K1V = session.verify_forward(tokens_K)
         if logits_K1V.shape[-1] != probs_KV.shape[-1]:
@@ -148,6 +169,12 @@ def generate(target: nn.Module, drafter: Drafter, prompt_ids: list[int], tempera
             rounds.accepted_RK.append(res.accepted_K.cpu())
             if conf_K is not None:
                 rounds.conf_RK.append(conf_K.float().cpu())
+            if prop.conf_logit_K is not None:
+                rounds.conf_logit_RK.append(prop.conf_logit_K.float().cpu())
+            rounds.num_accepted_R.append(int(res.num_accepted))
+            rounds.verified_R.append(int(tokens_K.shape[0]))
+            rounds.draft_s_R.append(draft_s)
+            rounds.prompt_R.append(prompt_index)
         for t in emitted:
             new.append(t)
             if t in eos_ids or len(new) >= max_new_tokens:

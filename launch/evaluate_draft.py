@@ -4,7 +4,9 @@
         --target smollm2 --datasets humaneval gsm8k mtbench --num-prompts 10 --max-new-tokens 64 \
         --temperatures 1.0 0.0 --out runs/tiny/eval
 
-Writes report.json, report.md and acceptance.png under --out (evaluation/report.py) and prints the τ table.
+Writes report.json, report.md and acceptance.png under --out (evaluation/report.py) and prints the τ table, and
+per (draft, temperature) NAME-T{T}.rounds.parquet, the recorded rounds (evaluation/rounds.py: per-round raw
+confidence logits, accepted count n, draft time), which serving/simulator.py replays.
 Each (draft, temperature) result is cached in --out, so an interrupted evaluation resumes.
 """
 
@@ -36,6 +38,7 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     from evaluation.evaluate import evaluate_many
     from evaluation.prompts import EVAL_SETS
     from evaluation.report import write_report
+    from evaluation.rounds import write_rounds
     from pipeline.atomic import write_text_atomic
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
     from workers.checkpoint import load_exported_draft
@@ -55,7 +58,8 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     results = []
     for n, temperature in enumerate(temperatures):
         cached = {name: out_dir / f"{name}-T{temperature}.json" for name in exports}
-        todo = [name for name, path in cached.items() if not path.is_file()]
+        todo = [name for name, path in cached.items()
+                if not (path.is_file() and _rounds_path(path).is_file())]
         deadline = None
         if time_limit_s is not None:
             left = time_limit_s - (time.monotonic() - t_start)
@@ -69,8 +73,10 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
             res = fresh[name] if name in fresh else json.loads(path.read_text())
             ran = {ds: m["num_prompts"] for ds, m in res["datasets"].items()}
             if name in fresh:
+                rounds = res.pop("rounds")
                 if all(ran[ds] == len(prompts[ds]) for ds in prompts):
                     path.parent.mkdir(parents=True, exist_ok=True)
+                    write_rounds({**res, "rounds": rounds}, _rounds_path(path))
                     write_text_atomic(path, json.dumps(res))
                 elif log is not None:
                     log.warning("eval %s T=%.1f: time limit reached after %s prompts per dataset (not cached)",
@@ -81,6 +87,10 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
             results.append(res)
     write_report(results, out_dir)
     return results
+
+
+def _rounds_path(cached_result: Path) -> Path:
+    return cached_result.with_name(cached_result.stem + ".rounds.parquet")
 
 
 def tau_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], float]]:
