@@ -118,7 +118,8 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
     eos_ids = _eos_ids(target, tokenizer, eos_token_ids)
     device = target.get_output_embeddings().weight.device
     outs = [{"drafter": d.name, "gamma": d.block_size, "temperature": temperature, "max_new_tokens": max_new_tokens,
-             "seed": seed, "datasets": {}, "generations": {}, "rounds": {}} for d in drafters]
+             "seed": seed, "sts_temperatures": getattr(d, "sts_temperatures", None), "datasets": {}, "generations": {},
+             "rounds": {}} for d in drafters]
     state = {(j, ds): {"rounds": RoundLog(), "gens": [], "forwards": 0, "new": 0, "wall": 0.0}
              for j in range(len(drafters)) for ds in prompts}
     for i in range(max((len(v) for v in prompts.values()), default=0)):

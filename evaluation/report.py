@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["run_label", "write_report"]
+__all__ = ["json_safe", "run_label", "write_report"]
 
 
 # ---- report files -------------------------------------------------------------------------------------------
@@ -33,14 +33,14 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
-def _json_safe(x):
+def json_safe(x):
     """NaN is not JSON: write null instead."""
     if isinstance(x, float) and math.isnan(x):
         return None
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -102,7 +102,7 @@ def write_report(results: dict | list[dict], out_dir: str | Path) -> dict[str, P
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("report.json", "report.md", "acceptance.png", "generations.jsonl")}
     summary = [{k: v for k, v in r.items() if k not in ("generations", "rounds")} for r in runs]
-    paths["report.json"].write_text(json.dumps(_json_safe({"runs": summary}), indent=2) + "\n")
+    paths["report.json"].write_text(json.dumps(json_safe({"runs": summary}), indent=2) + "\n")
     paths["report.md"].write_text(_markdown(runs))
     _plot(runs, paths["acceptance.png"])
     with paths["generations.jsonl"].open("w") as f:

@@ -39,8 +39,9 @@ def _as_lists(rows: list) -> list[list[float]]:
     return [np.asarray(r, dtype=np.float64).tolist() for r in rows]
 
 
-def write_rounds(result: dict, path: str | Path, sts_temperatures=None) -> Path:
+def write_rounds(result: dict, path: str | Path) -> Path:
     """Write the "rounds" of one evaluation result (evaluation.evaluate.evaluate_many) to a Parquet file."""
+    sts_temperatures = result.get("sts_temperatures")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
