@@ -4,7 +4,7 @@
    target (launch/prepare_data.py) into Parquet;
 2. the three drafters trained by the real pipeline (workers/orchestrate.run_training) on those rows, same steps,
    optimizer, schedule, block size γ and data order;
-3. real speculative decoding (pipeline/evaluate.py) on held-out HumanEval, GSM8K and MT-Bench prompts at
+3. real speculative decoding (evaluation/) on held-out HumanEval, GSM8K and MT-Bench prompts at
    temperature 1.0 and greedy; report (JSON, markdown, PNG) under <work-dir>/report/.
 Every stage is cached in --work-dir, so a re-run resumes where it stopped. The last line is
 `tau_ratio dspark/dflash=X dspark/eagle3=Y` (macro-average τ over the datasets, temperature 1.0).

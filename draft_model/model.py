@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from draft_model import sampling
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.heads import SequentialHead, build_head
@@ -103,3 +104,31 @@ class DraftModel(nn.Module):
             factor_NKR, prev_embed_NKR = self.head.teacher_forced(hidden_NKD, batch.prev_tokens_NK())
         conf_NK = self.confidence_logit(hidden_NKD, prev_embed_NKR) if self.conf_proj is not None else None
         return DraftOutput(hidden_NKD, factor_NKR, conf_NK, aux)
+
+    @torch.no_grad()
+    def draft_block(self, batch: BlockBatch, temperature: float, generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Inference, the drafter contract every architecture implements (Eagle3Draft.draft_block too): draft
+        every block of `batch` left to right, the sequential head reading the sampled tokens. Only the batch's
+        context and anchors are read. -> (tokens_NK int64, probs_NKV fp32: the distributions the tokens were
+        drawn from at `temperature`, one-hot when greedy; conf_logit_NK: raw pre-sigmoid confidence logits, None
+        without a confidence head)."""
+        lm_VD = self.frozen_lm_head_VD
+        hidden_NKD = self.backbone_hidden(batch)
+        base_NKV = hidden_NKD.to(lm_VD.dtype) @ lm_VD.t()
+        embeds: list[torch.Tensor] = []
+        step_fn = None
+        if self.head is not None:
+            w2_RV, state = self.head.w2_RV, None
+
+            def step_fn(k: int, prev_N: torch.Tensor) -> torch.Tensor:
+                nonlocal state
+                factor_NR, prev_embed_NR, state = self.head.step(hidden_NKD[:, k], prev_N, state)
+                embeds.append(prev_embed_NR)
+                return (factor_NR @ w2_RV).to(base_NKV.dtype)
+
+        tokens_NK, probs_NKV = sampling.sample_block(base_NKV, step_fn, batch.anchor_ids_N(), temperature, generator)
+        conf_logit_NK = None
+        if self.conf_proj is not None:
+            conf_logit_NK = self.confidence_logit(hidden_NKD, torch.stack(embeds, dim=1) if embeds else None)
+        return tokens_NK, probs_NKV, conf_logit_NK

@@ -3,8 +3,15 @@
     python launch/evaluate_draft.py --draft runs/tiny/export [--draft other=runs/x/export ...] \
         --target smollm2 --datasets humaneval gsm8k mtbench --num-prompts 10 --max-new-tokens 64 \
         --temperatures 1.0 0.0 --out runs/tiny/eval
+    python launch/evaluate_draft.py --draft runs/tiny/export --prompts held_out.jsonl --out runs/tiny/eval-mine
 
-Writes report.json, report.md and acceptance.png under --out (pipeline/report.py) and prints the τ table.
+--datasets names built-in sets (evaluation/prompts.py); --prompts adds prompt files (.jsonl/.parquet of chats or
+texts), each a dataset named by its file stem (given alone, only the files are evaluated). An export holding
+calibration.json (launch/calibrate_draft.py) is evaluated with calibrated confidences.
+
+Writes report.json, report.md and acceptance.png under --out (evaluation/report.py) and prints the τ table, and
+per (draft, temperature) NAME-T{T}.rounds.parquet, the recorded rounds (evaluation/rounds.py: per-round raw
+confidence logits, accepted count n, draft time), which serving/simulator.py replays.
 Each (draft, temperature) result is cached in --out, so an interrupted evaluation resumes.
 """
 
@@ -27,34 +34,35 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     """Evaluate every export at every temperature on the same prompts; results cached per (draft, temperature).
 
     time_limit_s bounds the whole evaluation: each temperature gets an equal share of what is left, and prompts
-    stop being started when it runs out, for all drafts alike (pipeline/evaluate.evaluate_many), so the drafts stay
+    stop being started when it runs out, for all drafts alike (evaluation/evaluate.evaluate_many), so the drafts stay
     comparable; a cut result says how many prompts ran and is not cached.
     """
     import torch
 
+    from evaluation.drafters import load_drafter
+    from evaluation.evaluate import evaluate_many
+    from evaluation.prompts import resolve_prompt_sets
+    from evaluation.report import write_report
+    from evaluation.rounds import write_rounds
     from pipeline.atomic import write_text_atomic
-    from pipeline.evaluate import evaluate_many, make_drafter
-    from pipeline.prompt_sets import EVAL_SETS
-    from pipeline.report import write_report
-    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
+    from pipeline.target_model import load_target, resolve_target_path
 
-    unknown = sorted(set(datasets) - set(EVAL_SETS))
-    if unknown:
-        raise ValueError(f"unknown dataset(s) {unknown}; available: {sorted(EVAL_SETS)}")
+    check_exports(exports)
+    bad = [t for t in temperatures if not t >= 0]
+    if bad:
+        raise ValueError(f"temperatures must be >= 0 (0 = greedy), got {bad}")
+    prompts = resolve_prompt_sets(datasets, num_prompts)  # before the target loads: bad input fails fast
     t_start = time.monotonic()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target, tok = load_target(resolve_target_path(target_name), dtype=dtype)
     target.to(device)
-    prompts = {ds: EVAL_SETS[ds](num_prompts) for ds in datasets}
-    drafters = {name: make_drafter(load_exported_draft(export, *embedding_weights(target)).to(device), name)
-                for name, export in exports.items()}
+    drafters = {name: load_drafter(export, target, name) for name, export in exports.items()}
     results = []
     for n, temperature in enumerate(temperatures):
         cached = {name: out_dir / f"{name}-T{temperature}.json" for name in exports}
-        todo = [name for name, path in cached.items() if not path.is_file()]
+        todo = [name for name, path in cached.items() if not _cache_valid(path, drafters[name])]
         deadline = None
         if time_limit_s is not None:
             left = time_limit_s - (time.monotonic() - t_start)
@@ -68,8 +76,10 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
             res = fresh[name] if name in fresh else json.loads(path.read_text())
             ran = {ds: m["num_prompts"] for ds, m in res["datasets"].items()}
             if name in fresh:
+                rounds = res.pop("rounds")
                 if all(ran[ds] == len(prompts[ds]) for ds in prompts):
                     path.parent.mkdir(parents=True, exist_ok=True)
+                    write_rounds({**res, "rounds": rounds}, _rounds_path(path))
                     write_text_atomic(path, json.dumps(res))
                 elif log is not None:
                     log.warning("eval %s T=%.1f: time limit reached after %s prompts per dataset (not cached)",
@@ -80,6 +90,24 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
             results.append(res)
     write_report(results, out_dir)
     return results
+
+
+def check_exports(exports: dict[str, Path]) -> None:
+    for name, export in exports.items():
+        if not (Path(export) / "config.json").is_file() or not (Path(export) / "model.safetensors").is_file():
+            raise ValueError(f"draft {name!r}: {export} is not an exported draft (needs config.json and "
+                             "model.safetensors)")
+
+
+def _cache_valid(path: Path, drafter) -> bool:
+    """A cached result counts when it and its rounds exist and it was run with the drafter's calibration."""
+    if not (path.is_file() and _rounds_path(path).is_file()):
+        return False
+    return json.loads(path.read_text()).get("sts_temperatures") == drafter.sts_temperatures
+
+
+def _rounds_path(cached_result: Path) -> Path:
+    return cached_result.with_name(cached_result.stem + ".rounds.parquet")
 
 
 def tau_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], float]]:
@@ -102,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", action="append", required=True,
                    help="an exported draft directory, optionally NAME=DIR (repeat for several)")
     p.add_argument("--target", default="smollm2", help="target name or path (as target.path in the run config)")
-    p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench"])
+    p.add_argument("--datasets", nargs="+", default=None,
+                   help="built-in prompt sets (default: humaneval gsm8k mtbench, unless --prompts is given)")
+    p.add_argument("--prompts", nargs="+", default=[], metavar="FILE",
+                   help="prompt files (.jsonl/.parquet), each evaluated as a dataset named by its stem")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
@@ -117,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(path)
         exports[name or path.parent.name] = path
     try:
-        results = evaluate_exports(exports, args.target, args.datasets, args.num_prompts, args.max_new_tokens,
+        datasets = (args.datasets or ([] if args.prompts else ["humaneval", "gsm8k", "mtbench"])) + args.prompts
+        results = evaluate_exports(exports, args.target, datasets, args.num_prompts, args.max_new_tokens,
                                    args.temperatures, Path(args.out), args.device, get_logger("dspark.eval"),
                                    args.time_limit)
     except (ValueError, FileNotFoundError) as e:

