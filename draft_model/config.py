@@ -113,6 +113,15 @@ class DraftConfig:
             if len(self.target_layers) != 1:
                 raise ValueError(f"draft.fuse_features=false feeds one target layer straight into the feature "
                                  f"norm; got draft.target_layers={self.target_layers}")
+        if self.arch == "draft-lm":
+            wanted = {"head": "none", "ffn": "dense", "residual": "plain", "sliding_window": 0,
+                      "target_layers": [FINAL_HIDDEN]}
+            for name, want in wanted.items():
+                if getattr(self, name) != want:
+                    why = (" (it reads no target layer; the final state -1 travels anyway for the loss's p_t)"
+                           if name == "target_layers" else "")
+                    raise ValueError(f"draft.arch='draft-lm' (tokens only) needs draft.{name}={want!r}, got "
+                                     f"{getattr(self, name)!r}{why}")
 
     def check_target(self, vocab_size: int, hidden_size: int, num_target_layers: int) -> None:
         """Raise a clear error when this draft cannot sit on the given target."""
