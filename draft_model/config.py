@@ -48,6 +48,9 @@ class DraftConfig:
     vocab_size: int = 0  # 0 = take from the target at build time
     hidden_size: int = 0  # 0 = take from the target at build time; must equal the target's
     target_layers: list[int] = field(default_factory=lambda: [FINAL_HIDDEN])
+    # eagle3 only: False = the one target layer enters the draft's feature norm as is, with no W_fuse Linear
+    # before it (DeepSeek-V3's MTP input: proj([norm(embed(x_{t+1})); norm(h_t)])); True = W_fuse first (EAGLE-3)
+    fuse_features: bool = True
     block_size: int = 5  # γ: anchor + γ-1 mask tokens, γ predictions
     num_layers: int = 1
     num_heads: int = 4
@@ -99,6 +102,26 @@ class DraftConfig:
                              "set draft.head_dim")
         if self.ffn == "moe":
             self.moe.validate()
+        self._validate_baselines()
+
+    def _validate_baselines(self) -> None:
+        """The combinations the MTP-1 and draft-LM baselines allow (checked at config load, one line each)."""
+        if not self.fuse_features:
+            if self.arch != "eagle3":
+                raise ValueError(f"draft.fuse_features=false is the eagle3 MTP input; draft.arch={self.arch!r} "
+                                 "always projects its target context")
+            if len(self.target_layers) != 1:
+                raise ValueError(f"draft.fuse_features=false feeds one target layer straight into the feature "
+                                 f"norm; got draft.target_layers={self.target_layers}")
+        if self.arch == "draft-lm":
+            wanted = {"head": "none", "ffn": "dense", "residual": "plain", "sliding_window": 0,
+                      "target_layers": [FINAL_HIDDEN]}
+            for name, want in wanted.items():
+                if getattr(self, name) != want:
+                    why = (" (it reads no target layer; the final state -1 travels anyway for the loss's p_t)"
+                           if name == "target_layers" else "")
+                    raise ValueError(f"draft.arch='draft-lm' (tokens only) needs draft.{name}={want!r}, got "
+                                     f"{getattr(self, name)!r}{why}")
 
     def check_target(self, vocab_size: int, hidden_size: int, num_target_layers: int) -> None:
         """Raise a clear error when this draft cannot sit on the given target."""

@@ -3,7 +3,8 @@ Models via Training-Time Test"): one autoregressive decoder layer over fused low
 trained with the training-time test unrolled over the γ slots of each block.
 
 Notation: x_j is the token at position j, g_j = W_fuse [H(l_1)_j; ...; H(l_m)_j] the fused target feature there
-(the target's state at j is what predicted x_{j+1}). The draft's input at position j is
+(the target's state at j is what predicted x_{j+1}; with `draft.fuse_features: false` and one target layer,
+g_j = H(l_1)_j, no W_fuse: the MTP-1 preset). The draft's input at position j is
     u_j = W_in [RMSNorm(embed(x_{j+1})); RMSNorm(f_j)]        (2D -> D)
 with f_j = g_j for positions the target has run, and then one pre-norm decoder layer (causal self-attention with
 RoPE over absolute positions, SwiGLU), a final norm, and the target's frozen LM head, which predicts x_{j+2}.
@@ -16,6 +17,10 @@ A block anchored at p (the target has run 0..p-1; x_p is the last sampled token;
   x_{p+s} is the ground-truth token while training (teacher forcing, as EAGLE-3 trains) or the token sampled at
   step s-1 in `propose`. Its query sees the context keys and the block's steps 0..s (causal).
 Training and inference run the same `_step`, so they agree by construction (tests/test_eagle3.py checks it).
+
+With γ = 1 and target_layers = [-1] (preset `mtp1`) only step 0 exists and this is DeepSeek-V3's MTP module run
+causally over the sequence: u_j = W_in [norm(embed(x_{j+1})); norm(h_j)], one decoder layer, norm, frozen head,
+predicting x_{j+2} (tests/test_mtp1.py recomputes it by hand; departures in docs/design-notes.md, "Baselines").
 
 Departures from the paper, on purpose: the full target vocabulary and its frozen LM head (EAGLE-3 trains a reduced
 draft vocabulary with its own head), so that the loss, the confidence head and the evaluator are shared with
@@ -106,7 +111,8 @@ class Eagle3Draft(nn.Module):
 
         D = cfg.hidden_size
         self.ctx_width = len(cfg.target_layers) * D
-        self.fuse = nn.Linear(self.ctx_width, D, bias=False)
+        # fuse_features=False (MTP-1): the one target layer goes straight into feat_norm, as DeepSeek-V3's MTP does
+        self.fuse = nn.Linear(self.ctx_width, D, bias=False) if cfg.fuse_features else None
         self.embed_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.feat_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)  # scale of g and of the draft's own a differ
         self.in_proj = nn.Linear(2 * D, D, bias=False)
@@ -149,10 +155,11 @@ class Eagle3Draft(nn.Module):
         if batch.block_size != self.cfg.block_size:
             raise ValueError(f"BlockBatch has block size {batch.block_size}, the draft was built for "
                              f"{self.cfg.block_size}")
-        dtype = self.fuse.weight.dtype
+        dtype = self.in_proj.weight.dtype
         ids_T = batch.input_ids_T
         T = ids_T.shape[0]
-        g_TD = self.fuse(batch.ctx_feats_TF.to(dtype))
+        g_TD = batch.ctx_feats_TF.to(dtype)
+        g_TD = g_TD if self.fuse is None else self.fuse(g_TD)
         # context input of token t pairs g_t with the token after it; the last token of a sequence gets a
         # neighbour's (or its own) id, harmless because it is never a context key (keys stop at p-2 <= len-3)
         next_T = ids_T[torch.clamp(torch.arange(1, T + 1, device=ids_T.device), max=max(T - 1, 0))]

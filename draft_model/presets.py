@@ -47,6 +47,23 @@ def _eagle3() -> DraftConfig:
                        sliding_window=0, head="none", confidence=True, **_ATTN)
 
 
+def _mtp1() -> DraftConfig:
+    # MTP-1 baseline: DeepSeek-V3's MTP module shape, i.e. eagle3 at γ = 1 on the target's final state with no
+    # fusion Linear (u_j = W_in [norm(embed(x_{j+1})); norm(h_j)] -> one decoder layer -> norm -> frozen head).
+    # The confidence head is kept: it costs D + 1 weights, gives MTP-1 the same loss terms as every other drafter
+    # and lets the simulator schedule its one slot (verify it or not) like the others'; confidence=False is the
+    # pure MTP module.
+    return DraftConfig(arch="eagle3", block_size=1, num_layers=1, ffn="dense", residual="plain", sliding_window=0,
+                       head="none", confidence=True, target_layers=[FINAL_HIDDEN], fuse_features=False, **_ATTN)
+
+
+def _draft_lm() -> DraftConfig:
+    # Classic separate draft LM (draft_model/draft_lm.py): a 2-layer causal LM over tokens alone, drafting γ = 7
+    # tokens one forward each (cost linear in γ); the final state listed is only what the loss's p_t needs.
+    return DraftConfig(arch="draft-lm", block_size=7, num_layers=2, ffn="dense", residual="plain",
+                       sliding_window=0, head="none", confidence=True, target_layers=[FINAL_HIDDEN], **_ATTN)
+
+
 def eagle3_layers(num_target_layers: int) -> list[int]:
     """EAGLE-3's low/middle/high features: HF hidden-state indices 2, L//2 and L-3, kept inside 1..L for
     shallow (test) targets."""
@@ -60,6 +77,8 @@ PRESETS: dict[str, Callable[[], DraftConfig]] = {
     "dspark-rnn": _dspark_rnn,
     "v4": _v4,
     "eagle3": _eagle3,
+    "mtp1": _mtp1,
+    "draft-lm": _draft_lm,
 }
 _MULTI_LAYER_CONTEXT = ("dflash", "dspark-markov", "dspark-rnn")
 
@@ -67,7 +86,8 @@ _MULTI_LAYER_CONTEXT = ("dflash", "dspark-markov", "dspark-rnn")
 def draft_preset(name: str, num_target_layers: int | None = None) -> DraftConfig:
     """A fresh DraftConfig for `name`. With `num_target_layers`, the DFlash-style presets take their context from
     one target layer per draft layer, evenly spaced from 1 to L-3 (DFlash's default); without it they read the
-    final hidden state only. "eagle3" takes layers 2, L//2 and L-3 (low, middle, high)."""
+    final hidden state only. "eagle3" takes layers 2, L//2 and L-3 (low, middle, high); "mtp1" and "draft-lm" keep
+the final state [-1] whatever the depth."""
     if name not in PRESETS:
         raise ValueError(f"unknown draft preset {name!r}; valid presets: {sorted(PRESETS)}")
     cfg = PRESETS[name]()

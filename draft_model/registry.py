@@ -23,7 +23,8 @@ def register_draft(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
 
 def build_draft(cfg: DraftConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> nn.Module:
     """Instantiate `cfg.arch` on the target's frozen embedding [V, D] and LM head [V, D]."""
-    import draft_model.eagle3  # noqa: F401  (registers the built-in architectures)
+    import draft_model.draft_lm  # noqa: F401  (registers the built-in architectures)
+    import draft_model.eagle3  # noqa: F401
     import draft_model.model  # noqa: F401
 
     if cfg.arch not in DRAFTS:

@@ -3,9 +3,9 @@
 A Drafter reads a DecodeContext (the verified prefix before the anchor and the target's features there) and
 returns a Proposal: γ tokens, the distributions they were drawn from, and its confidences when it has a head for
 them. `DSparkDrafter` adapts any registered draft model through one method, `model.draft_block(batch,
-temperature, generator) -> (tokens_NK, probs_NKV, conf_logit_NK | None)` (draft_model/model.py, eagle3.py): the
-sampling of an architecture lives beside its training forward, so the evaluator never reaches into a model's
-heads and a new architecture needs no evaluator change.
+temperature, generator) -> (tokens_NK, probs_NKV, conf_logit_NK | None)` (draft_model/model.py, eagle3.py,
+draft_lm.py): the sampling of an architecture lives beside its training forward, so the evaluator never reaches
+into a model's heads and a new architecture needs no evaluator change.
 
 Calibration: `load_drafter(export_dir, target)` is how every consumer loads an exported draft; when the export
 holds calibration.json (launch/calibrate_draft.py) the adapter reports STS-calibrated confidences
@@ -62,8 +62,9 @@ class Drafter(Protocol):
 
 
 class DSparkDrafter:
-    """A draft model (any architecture with `draft_block`: DSpark, DFlash, Eagle3) as a Drafter: one block at the
-    anchor of a single sequence. `sts_temperatures` (T_1..T_γ) calibrate the reported confidences."""
+    """A draft model (any architecture with `draft_block`: DSpark, DFlash, Eagle3, MTP-1, the draft LM) as a
+    Drafter: one block at the anchor of a single sequence. `sts_temperatures` (T_1..T_γ) calibrate the reported
+    confidences."""
 
     def __init__(self, model: nn.Module, name: str = "dspark", sts_temperatures=None) -> None:
         if not callable(getattr(model, "draft_block", None)):
@@ -72,7 +73,9 @@ class DSparkDrafter:
         self.model = model.eval()
         self.name = name
         self.block_size = model.cfg.block_size
-        self.target_layers = list(model.cfg.target_layers)
+        # a tokens-only draft (DraftLM) reads no feature: ask the target for none (DecodeContext.feats_LF is [L, 0])
+        reads = getattr(model, "reads_target_features", True)
+        self.target_layers = list(model.cfg.target_layers) if reads else []
         self.sts_temperatures: list[float] | None = None
         self._t_K: torch.Tensor | None = None
         if sts_temperatures is not None:

@@ -62,3 +62,25 @@ def test_batch_order_is_a_permutation_per_epoch_and_deterministic():
     # every (step, micro, rank) maps to a distinct batch, consecutively
     seen = [batch_index_for(s, m, r, 2, 3) for s in range(4) for m in range(2) for r in range(3)]
     assert seen == list(range(24))
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_bench_drafter_entries_build_valid_configs(scale, tmp_path):
+    """bench/drafters.py's DRAFTERS give strict, valid run configs with the baselines' shapes (no bench run)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_drafters", Path(__file__).parents[1] / "bench" / "drafters.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    s = bench.SCALES[scale]
+    cfgs = {name: bench.run_config(tmp_path / "data", s, name, tmp_path / name, 3).draft for name in bench.DRAFTERS}
+    assert {"mtp1", "draft-lm"} <= set(cfgs)
+    mtp, lm = cfgs["mtp1"], cfgs["draft-lm"]
+    assert (mtp.arch, mtp.block_size, mtp.num_layers, mtp.target_layers, mtp.fuse_features) == ("eagle3", 1, 1,
+                                                                                                  [-1], False)
+    assert (lm.arch, lm.block_size, lm.num_layers, lm.target_layers) == ("draft-lm", bench.GAMMA,
+                                                                          s["draft_layers"], [-1])
+    for name, cfg in cfgs.items():  # same attention geometry for every drafter
+        assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64), name

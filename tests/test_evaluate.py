@@ -1,5 +1,6 @@
 """Offline evaluator: exact acceptance with an oracle draft, analytic τ with a uniform draft, the target's output
-distribution (sampling) and output (greedy), cached context features, a real DraftModel end to end, report files.
+distribution (sampling) and output (greedy), cached context features, every draft architecture end to end
+(DSpark, DFlash, Eagle3, MTP-1, the draft LM: lossless greedy), report files.
 
 Run: python -m pytest tests/test_evaluate.py -q
 """
@@ -255,8 +256,9 @@ def test_session_rejects_an_overlong_sequence():
 
 
 def _tiny_draft(target, preset: str, **overrides):
-    cfg = replace(draft_preset(preset), num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                  num_layers=1, head_rank=8, rnn_state_size=8, block_size=3, **overrides)
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_layers=1, head_rank=8,
+                 rnn_state_size=8, block_size=3)
+    cfg = replace(draft_preset(preset), **{**shape, **overrides})
     torch.manual_seed(0)
     model = build_draft(cfg, *embedding_weights(target))
     if model.head_w2() is not None:  # a fresh head is a no-op (W2 = 0); make it matter
@@ -268,17 +270,21 @@ def _tiny_draft(target, preset: str, **overrides):
 @pytest.mark.parametrize("preset,overrides", [("dspark-markov", {"target_layers": [1, -1]}),
                                               ("dspark-rnn", {"sliding_window": 4}),
                                               ("dflash", {}),
-                                              ("eagle3", {"target_layers": [0, 1, -1]})])
+                                              ("eagle3", {"target_layers": [0, 1, -1]}),
+                                              ("mtp1", {"block_size": 1}),
+                                              ("draft-lm", {"num_layers": 2})])
 def test_draft_model_end_to_end(preset, overrides):
     target = tiny_llama(seed=4)
     drafter = make_drafter(_tiny_draft(target, preset, **overrides), name=preset)
+    assert drafter.block_size == drafter.model.cfg.block_size and (drafter.target_layers == []) == (
+        preset == "draft-lm")  # the tokens-only draft gets no target features
     prompts = {"d": [[2, 9, 4, 4], [17, 3, 8]]}
     greedy = evaluate(target, None, drafter, prompts, 0.0, 16, seed=0, eos_token_ids=NO_EOS)
     for p, g in zip(prompts["d"], greedy["generations"]["d"]):
         assert g["tokens"] == greedy_reference(target, p, 16)  # lossless whatever the draft proposes
     res = evaluate(target, None, drafter, prompts, 1.0, 16, seed=0, eos_token_ids=NO_EOS)
     m = res["datasets"]["d"]
-    assert 1 <= m["tau"] <= 4 and m["new_tokens"] == 32
+    assert 1 <= m["tau"] <= 1 + drafter.block_size and m["new_tokens"] == 32
     # confidences are reported for every reached position (position 1 is reached every round)
     assert m["conf_mean"][0] is not None and m["reached"][0] == m["rounds"]
     assert all((c is None) == (r == 0) for c, r in zip(m["conf_mean"], m["reached"]))

@@ -1,7 +1,8 @@
 """`launch/train_v4_draft.py --single-process` (workers/single_process.py) trains a draft end to end on a machine
 where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
 target; a run killed after a checkpoint and started again resumes with the losses of an uninterrupted run; bad
-input is one `error:` line, exit status 2.
+input is one `error:` line, exit status 2. The serving baselines (mtp1, draft-lm) train a few steps through the
+same trainer, in this process.
 Step-for-step equality of its engine with DeepSpeed's is tests/test_trainer_step.py; of its loss curve with the
 Ray trainers', tests/test_pipeline_e2e.py.
 
@@ -11,6 +12,8 @@ Run: python -m pytest tests/test_single_process.py -q     (about 60 s on 2 cores
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import signal
 import subprocess
@@ -116,3 +119,24 @@ def test_bad_input_is_one_clear_error(tmp_path, args, message):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "run" / "export").exists()
+
+
+@pytest.mark.parametrize("preset, gamma, layers", [("mtp1", 1, 1), ("draft-lm", 3, 2)])
+def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, gamma, layers):
+    """MTP-1 and the draft LM train 3 steps on the tiny MoE target with finite losses, and their export loads back
+    as the same architecture."""
+    from pipeline.config import load_config
+    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
+    from workers.checkpoint import load_exported_draft
+    from workers.single_process import train_single_process
+
+    run_dir = tmp_path / preset
+    cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml",
+                      [*TINY_MOE, f"draft.preset={preset}", f"draft.block_size={gamma}", f"draft.num_layers={layers}",
+                       "train.max_steps=3", "data.num_samples=16", f"checkpoint.run_dir={run_dir}"])
+    export = train_single_process(cfg, logging.getLogger("test"), device="cpu")
+    rows = read_jsonl_metrics(run_dir / "metrics.jsonl")
+    assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows.values())
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    draft = load_exported_draft(export, *embedding_weights(target))
+    assert (draft.cfg.arch, draft.cfg.block_size, draft.cfg.num_layers) == (cfg.draft.arch, gamma, layers)
