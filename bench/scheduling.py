@@ -86,7 +86,7 @@ def stage_calibration(work: Path, rounds_path: Path, seed: int, log) -> tuple[li
     """STS on the fit half of dspark's prompts -> (temperatures, held-out prompt indices per dataset)."""
     from evaluation.report import json_safe
     from evaluation.rounds import load_round_arrays
-    from launch.calibrate_draft import _pool, split_prompts
+    from launch.calibrate_draft import pool_rounds, split_prompts
     from serving.calibration import calibration_report, fit_sts, load_calibration, save_calibration
 
     path = work / "scheduling" / "calibration.json"
@@ -97,8 +97,8 @@ def stage_calibration(work: Path, rounds_path: Path, seed: int, log) -> tuple[li
         temps, _ = load_calibration(path)
         log.info("calibration: reusing %s (T = %s)", path, np.round(temps, 3).tolist())
         return list(temps), held
-    fit_logit, fit_n = _pool(arrays, {ds: s[0] for ds, s in splits.items()})
-    held_logit, held_n = _pool(arrays, held)
+    fit_logit, fit_n = pool_rounds(arrays, {ds: s[0] for ds, s in splits.items()})
+    held_logit, held_n = pool_rounds(arrays, held)
     temps = fit_sts(fit_logit, fit_n)
     rep = calibration_report(held_logit, held_n, temps)
     log.info("calibration: T = %s; held-out survival ECE before %s after %s", np.round(temps, 3).tolist(),
@@ -169,7 +169,7 @@ def run_sweeps(data: dict[str, tuple], sps: SPSTable, ref_step_s: float, t: dict
 
 def table_text(results: list[sim.SimResult], Rs: list[int]) -> str:
     lines = [f"{'policy':26s} " + " ".join(f"{'R=' + str(R):>14s}" for R in Rs) + "   (aggregate / per-user tok/s)"]
-    for name, rs in sim._by_policy(results).items():
+    for name, rs in sim.by_policy(results).items():
         by_R = {r.concurrency: r for r in rs}
         lines.append(f"{name:26s} " + " ".join(f"{by_R[R].tokens_per_s:7.1f}/{by_R[R].per_user_tokens_per_s:6.1f}"
                                                 for R in Rs))

@@ -43,7 +43,7 @@ def split_prompts(num: int, fit_fraction: float, seed: int) -> tuple[np.ndarray,
     return np.sort(order[:n_fit]), np.sort(order[n_fit:])
 
 
-def _pool(arrays: dict[str, dict], pick: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def pool_rounds(arrays: dict[str, dict], pick: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     logits, ns = [], []
     for ds, a in arrays.items():
         keep = np.isin(a["prompt_N"], pick[ds])
@@ -104,8 +104,8 @@ def calibrate(export: Path, target_name: str, prompt_names: list[str], num_promp
     result = evaluate(target, tok, drafter, prompts, temperature, max_new_tokens, seed=seed)
     rounds_path = write_rounds(result, out_dir / "rounds.parquet")
     arrays, _ = load_round_arrays(rounds_path)
-    fit_logit, fit_n = _pool(arrays, {ds: s[0] for ds, s in splits.items()})
-    held_logit, held_n = _pool(arrays, {ds: s[1] for ds, s in splits.items()})
+    fit_logit, fit_n = pool_rounds(arrays, {ds: s[0] for ds, s in splits.items()})
+    held_logit, held_n = pool_rounds(arrays, {ds: s[1] for ds, s in splits.items()})
     temps = fit_sts(fit_logit, fit_n)
     rep = calibration_report(held_logit, held_n, temps)
     rep.update(split="held-out", fit_rounds=int(fit_logit.shape[0]), fit_report=calibration_report(

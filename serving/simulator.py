@@ -157,7 +157,7 @@ def sweep(streams: Sequence[Sequence[RecordedRound]], policies: Sequence[Policy]
     return [simulate(streams, p, sps, c, draft_time_s, num_steps) for p in policies for c in concurrencies]
 
 
-def _by_policy(results: Sequence[SimResult]) -> dict[str, list[SimResult]]:
+def by_policy(results: Sequence[SimResult]) -> dict[str, list[SimResult]]:
     groups: dict[str, list[SimResult]] = {}
     for r in results:
         groups.setdefault(r.policy, []).append(r)
@@ -177,7 +177,7 @@ def pareto_plot(results: Sequence[SimResult], path: str | Path, title: str = "")
     """Aggregate tokens/s against per-user tokens/s, one line per policy, points labelled by concurrency."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for name, rs in _by_policy(results).items():
+    for name, rs in by_policy(results).items():
         x, y = [r.per_user_tokens_per_s for r in rs], [r.tokens_per_s for r in rs]
         ax.plot(x, y, marker="o", ms=3, label=name)
         for r in rs:
@@ -194,7 +194,7 @@ def verify_len_plot(results: Sequence[SimResult], path: str | Path, title: str =
     """Mean verification length ℓ against concurrency, one line per policy."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for name, rs in _by_policy(results).items():
+    for name, rs in by_policy(results).items():
         ax.plot([r.concurrency for r in rs], [r.mean_verify_len for r in rs], marker="o", ms=3, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency R")
