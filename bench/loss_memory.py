@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -25,26 +24,13 @@ import tempfile
 import time
 
 import torch
+from peak_rss import reset_peak, rss_kib  # bench/ itself is on sys.path: this script's own folder
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from draft_model.config import LossConfig  # noqa: E402
 from draft_model.loss import dspark_loss  # noqa: E402
 
 GIB = 1024**3
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 def child(args: argparse.Namespace) -> None:
@@ -65,15 +51,15 @@ def child(args: argparse.Namespace) -> None:
         t.requires_grad_(True)
     cfg = LossConfig(chunk_rows=args.chunk_rows)
 
-    base_kib = _rss_kib("VmRSS")
-    exact = _reset_peak()
+    base_kib = rss_kib("VmRSS")
+    exact = reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
     parts = dspark_loss(hidden_NKD, lm_head_VD, labels_NK, target_NKD, valid_NK, cfg, conf_logit_NK=conf_NK,
                         head_factor_NKR=factor_NKR, head_w2_RV=w2_RV, naive=args.naive)
     loss = parts.total()
     loss.backward()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    peak_kib = _rss_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kib = rss_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     values = {k: getattr(parts, k).item() for k in ("ce_sum", "tv_sum", "conf_sum", "weight_sum")}
     values["total"] = loss.item()
     torch.save({"hidden": hidden_NKD.grad, "w2": w2_RV.grad}, args.out + ".pt")

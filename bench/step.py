@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from peak_rss import reset_peak, rss_kib  # bench/ itself is on sys.path: this script's own folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if "--child" not in sys.argv:  # a child imports the draft code from the tree it is given (--code)
@@ -43,20 +43,6 @@ if "--child" not in sys.argv:  # a child imports the draft code from the tree it
 
 GIB = 1024**3
 OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 def _cfg(preset: str, variant: str, hidden: int, in_tree_old: bool):
@@ -131,13 +117,13 @@ def child(args: argparse.Namespace) -> None:
         with FlopCounterMode(display=False) as fc:
             step()
         flops = fc.get_total_flops()
-    base_kib = _rss_kib("VmRSS")
-    exact = _reset_peak()
+    base_kib = rss_kib("VmRSS")
+    exact = reset_peak()
     t0 = time.perf_counter()
     for _ in range(1 if args.memory else args.steps):
         step()
     seconds = (time.perf_counter() - t0) / (1 if args.memory else args.steps)
-    peak_kib = _rss_kib("VmHWM") if exact else base_kib
+    peak_kib = rss_kib("VmHWM") if exact else base_kib
     with open(args.out, "w") as f:
         json.dump({"seconds": seconds, "peak_bytes": (peak_kib - base_kib) * 1024, "first_loss": first_loss,
                    "flops": flops, "exact_peak": exact, "blocks": batch.num_blocks}, f)

@@ -207,31 +207,18 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def draft_steps(self, batch: BlockBatch, temperature: float,
                     generator: torch.Generator | None = None) -> Eagle3Proposal:
-        """Chain drafting: step s reads the token sampled at step s-1 (the anchor at s = 0). Only the batch's
-        context and anchors are read; its tokens after the anchors are ignored."""
-        ctx = self._context(batch)
-        lm_VD = self.frozen_lm_head_VD
-        tokens_N, feat_ND = batch.anchor_ids_N(), ctx.feat0_ND
-        keys, values, tokens, probs, hidden = [], [], [], [], []
-        for s in range(self.cfg.block_size):
-            a_ND, h_ND = self._step(ctx, s, tokens_N, feat_ND, keys, values)
-            p_NV = probs_at_temperature(h_ND.to(lm_VD.dtype) @ lm_VD.t(), temperature)
-            tokens_N = torch.multinomial(p_NV, 1, generator=generator).squeeze(-1)
-            tokens.append(tokens_N)
-            probs.append(p_NV)
-            hidden.append(h_ND)
-            feat_ND = self._feedback(a_ND)
-        conf_NK = self._conf(torch.stack(hidden, dim=1))
-        return Eagle3Proposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1),
-                              None if conf_NK is None else torch.sigmoid(conf_NK.float()))
+        """`draft_block` with the confidences as probabilities (sigmoid of its raw logits)."""
+        tokens_NK, probs_NKV, conf_logit_NK = self.draft_block(batch, temperature, generator)
+        conf_NK = None if conf_logit_NK is None else torch.sigmoid(conf_logit_NK.float())
+        return Eagle3Proposal(tokens_NK, probs_NKV, conf_NK)
 
     @torch.no_grad()
     def draft_block(self, batch: BlockBatch, temperature: float, generator: torch.Generator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The drafter contract shared with DraftModel.draft_block: `draft_steps` with the raw confidence logits
-        (draft_steps gives their sigmoid, from which the logit cannot be recovered exactly once it saturates).
-        -> (tokens_NK, probs_NKV, conf_logit_NK or None). Same loop as draft_steps; tests/test_eagle3.py checks
-        that the two agree."""
+        """Chain drafting, the drafter contract shared with DraftModel.draft_block: step s reads the token sampled
+        at step s-1 (the anchor at s = 0). Only the batch's context and anchors are read; its tokens after the
+        anchors are ignored. -> (tokens_NK, probs_NKV, raw confidence logits conf_logit_NK or None: a saturated
+        sigmoid could not be turned back into a logit)."""
         ctx = self._context(batch)
         lm_VD = self.frozen_lm_head_VD
         tokens_N, feat_ND = batch.anchor_ids_N(), ctx.feat0_ND
