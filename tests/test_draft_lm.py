@@ -16,7 +16,7 @@ from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, make_batch, ti
 from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
 from draft_model.draft_lm import DraftLM
-from draft_model.loss import output_loss
+from draft_model.loss import draft_loss
 from draft_model.presets import draft_preset
 from draft_model.registry import DRAFTS, build_draft
 from pipeline.config import load_config
@@ -163,11 +163,7 @@ def test_trains_with_the_dspark_loss():
         if t not in first:
             ids[t] = nxt[t - 1]
     batch = replace(batch, input_ids_T=ids, final_hidden_TD=final)
-    target_hidden = batch.final_hidden_TD[batch.target_index_NK()]
-    cfg = LossConfig()
-    losses = fit_fixed_batch(model, lambda: output_loss(model(batch), model.lm_head_weight(), model.head_w2(),
-                                                         batch.labels_NK(), target_hidden, batch.valid_NK,
-                                                         cfg).total())
+    losses = fit_fixed_batch(model, lambda: draft_loss(model, batch, LossConfig()).total())
     assert losses[-1] < losses[0] / 5, f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
 
 

@@ -16,7 +16,7 @@ from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, make_batch, ti
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig, LossConfig
 from draft_model.eagle3 import Eagle3Draft
-from draft_model.loss import output_loss
+from draft_model.loss import draft_loss
 from draft_model.presets import draft_preset, eagle3_layers
 from draft_model.registry import DRAFTS, build_draft
 
@@ -252,11 +252,7 @@ def one_thread():
 def test_trains_with_the_dspark_loss(one_thread):
     model = _model().train()
     batch = _greedy_target_batch(model)
-    target_hidden = batch.final_hidden_TD[batch.target_index_NK()]
-    cfg = LossConfig()
-    losses = fit_fixed_batch(model, lambda: output_loss(model(batch), model.lm_head_weight(), model.head_w2(),
-                                                         batch.labels_NK(), target_hidden, batch.valid_NK,
-                                                         cfg).total())
+    losses = fit_fixed_batch(model, lambda: draft_loss(model, batch, LossConfig()).total())
     assert losses[-1] < losses[0] / 5, f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
 
 
