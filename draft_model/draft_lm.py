@@ -37,7 +37,7 @@ from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.eagle3 import _StepAttention
 from draft_model.ffn import SwiGLU
-from draft_model.model import DraftOutput, register_frozen_target_weights, resolve_cfg
+from draft_model.model import DraftOutput, FrozenTargetDraft, resolve_cfg
 from draft_model.registry import register_draft
 from draft_model.sampling import probs_at_temperature
 
@@ -90,33 +90,18 @@ class _DecoderLayer(nn.Module):
 
 
 @register_draft("draft-lm")
-class DraftLM(nn.Module):
+class DraftLM(FrozenTargetDraft):
     reads_target_features = False  # evaluation/drafters.py asks the target for no layers
 
     def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__(embed_weight_VD, lm_head_weight_VD)
         self.cfg = cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)  # validate(): the draft-lm checks
-        register_frozen_target_weights(self, embed_weight_VD, lm_head_weight_VD)
         D = cfg.hidden_size
         self.embed_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.in_proj = nn.Linear(D, D, bias=False)
         self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.conf_proj = nn.Linear(D, 1) if cfg.confidence else None
-
-    # ---- the drafter contract shared with DraftModel / Eagle3Draft -------------------------------------------
-
-    def lm_head_weight(self) -> torch.Tensor:
-        """[V, D] frozen target LM head."""
-        return self.frozen_lm_head_VD
-
-    def embed_weight(self) -> torch.Tensor:
-        """[V, D] frozen target embedding."""
-        return self.frozen_embed_VD
-
-    def head_w2(self) -> None:
-        """No sequential head: the LM is autoregressive itself."""
-        return None
 
     # ---- the layers --------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from draft_model.attention import GQAProjections, token_positions_T
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.ffn import SwiGLU
-from draft_model.model import DraftOutput, register_frozen_target_weights, resolve_cfg
+from draft_model.model import DraftOutput, FrozenTargetDraft, resolve_cfg
 from draft_model.registry import register_draft
 from draft_model.sampling import probs_at_temperature
 
@@ -95,9 +95,9 @@ class _StepAttention(GQAProjections):
 
 
 @register_draft("eagle3")
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(FrozenTargetDraft):
     def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__(embed_weight_VD, lm_head_weight_VD)
         cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
         unsupported = {"num_layers": (cfg.num_layers, 1), "ffn": (cfg.ffn, "dense"),
                        "residual": (cfg.residual, "plain"), "head": (cfg.head, "none")}
@@ -107,7 +107,6 @@ class Eagle3Draft(nn.Module):
                 # heads and MoE/mHC belong to DSpark, and mixing them in would blur the baseline
                 raise ValueError(f"eagle3 drafts need draft.{name}={want!r}, got {got!r}")
         self.cfg = cfg
-        register_frozen_target_weights(self, embed_weight_VD, lm_head_weight_VD)
 
         D = cfg.hidden_size
         self.ctx_width = len(cfg.target_layers) * D
@@ -122,20 +121,6 @@ class Eagle3Draft(nn.Module):
         self.ffn = SwiGLU(D, cfg.resolved_intermediate_size)
         self.final_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.conf_proj = nn.Linear(D, 1) if cfg.confidence else None
-
-    # ---- the drafter contract shared with DraftModel ------------------------------------------------------
-
-    def lm_head_weight(self) -> torch.Tensor:
-        """[V, D] frozen target LM head."""
-        return self.frozen_lm_head_VD
-
-    def embed_weight(self) -> torch.Tensor:
-        """[V, D] frozen target embedding."""
-        return self.frozen_embed_VD
-
-    def head_w2(self) -> None:
-        """No sequential head: EAGLE-3's autoregression is in the backbone."""
-        return None
 
     # ---- the unrolled layer -------------------------------------------------------------------------------
 

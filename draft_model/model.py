@@ -62,16 +62,13 @@ def register_frozen_target_weights(module: nn.Module, embed_VD: torch.Tensor, lm
     module.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_VD.detach().to(dtype), persistent=False)
 
 
-@register_draft("dspark")
-class DraftModel(nn.Module):
-    def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
+class FrozenTargetDraft(nn.Module):
+    """Base of every draft architecture: the target's frozen embedding and LM head (`register_frozen_target_weights`)
+    and the accessors the loss, the trainers and the evaluator read them through."""
+
+    def __init__(self, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
         super().__init__()
-        self.cfg = cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
         register_frozen_target_weights(self, embed_weight_VD, lm_head_weight_VD)
-        self.backbone = DraftBackbone(cfg)
-        self.head: SequentialHead | None = build_head(cfg)
-        conf_in = cfg.hidden_size + (cfg.head_rank if self.head is not None else 0)
-        self.conf_proj = nn.Linear(conf_in, 1) if cfg.confidence else None
 
     def lm_head_weight(self) -> torch.Tensor:
         """[V, D] frozen target LM head."""
@@ -80,6 +77,21 @@ class DraftModel(nn.Module):
     def embed_weight(self) -> torch.Tensor:
         """[V, D] frozen target embedding."""
         return self.frozen_embed_VD
+
+    def head_w2(self) -> torch.Tensor | None:
+        """[R, V] trainable second factor of a sequential head; None for architectures without one."""
+        return None
+
+
+@register_draft("dspark")
+class DraftModel(FrozenTargetDraft):
+    def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
+        super().__init__(embed_weight_VD, lm_head_weight_VD)
+        self.cfg = cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
+        self.backbone = DraftBackbone(cfg)
+        self.head: SequentialHead | None = build_head(cfg)
+        conf_in = cfg.hidden_size + (cfg.head_rank if self.head is not None else 0)
+        self.conf_proj = nn.Linear(conf_in, 1) if cfg.confidence else None
 
     def head_w2(self) -> torch.Tensor | None:
         """[R, V] trainable second factor of the sequential head (None without one)."""
