@@ -72,8 +72,7 @@ def group_layout(host: BlockHost, window: int, block_size: int, device: torch.de
 
     # context part [R, B, C]: inside the block's own window (same sequence by construction of the groups)
     padded_RB = block_RB == N
-    p_RB = np.where(padded_RB, 0, p_N[np.minimum(block_RB, max(N - 1, 0))] if N else 0)
-    lo_RB = np.where(padded_RB, 0, lo_N[np.minimum(block_RB, max(N - 1, 0))] if N else 0)
+    p_RB, lo_RB = np.append(p_N, 0)[block_RB], np.append(lo_N, 0)[block_RB]  # index N: the pad slot
     ctx_RBC = (pos_RC[:, None, :] < p_RB[:, :, None]) & (pos_RC[:, None, :] >= lo_RB[:, :, None])
     ctx_RBC &= in_range_RC[:, None, :] & ~padded_RB[:, :, None]
     # block part [R, B, B]: own block only (padded slots too, so that no query row is empty)
