@@ -261,18 +261,19 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
         return x_NK_.flatten(0, 1).index_select(0, idx_M)
 
     w_M = rows_of(w_NK)
-    rows = (rows_of(hidden_NKD), rows_of(target_hidden_NKD).detach(), lm_head_VD, rows_of(labels_NK).long(),
-            None if head_factor_NKR is None else rows_of(head_factor_NKR), head_w2_RV)
+    # the vocabulary-sized work runs in the LM head's dtype (an autocast backbone may hand over another): no-op
+    # casts otherwise, so W2 stays the parameter itself
+    dtype = lm_head_VD.dtype
+    rows = (rows_of(hidden_NKD).to(dtype), rows_of(target_hidden_NKD).detach().to(dtype), lm_head_VD,
+            rows_of(labels_NK).long(), None if head_factor_NKR is None else rows_of(head_factor_NKR).to(dtype),
+            None if head_w2_RV is None else head_w2_RV.to(dtype))
     if naive:
         ce_M, l1_M = _naive_rows(*rows)
     else:
         # the upstream gradient LossParts.total() will send, up to 1/global_weight_sum (see _VocabRowsLoss). Its
-        # chunks are built with in-place matmuls, which autocast does not cast: it runs in its inputs' dtype
-        # (fp32 for an autocast backbone, bf16 for a bf16 model), with autocast off
+        # chunks are built with in-place matmuls, which autocast does not cast, so autocast is off around it
         with torch.autocast(hidden_NKD.device.type, enabled=False):
-            ce_M, l1_M = _VocabRowsLoss.apply(*(r if r is None or not r.is_floating_point() else r.to(rows[2].dtype)
-                                                for r in rows), cfg.ce_weight * w_M, cfg.tv_weight * w_M,
-                                              cfg.chunk_rows)
+            ce_M, l1_M = _VocabRowsLoss.apply(*rows, cfg.ce_weight * w_M, cfg.tv_weight * w_M, cfg.chunk_rows)
 
     c_star_M = (1.0 - 0.5 * l1_M.detach()).clamp(0.0, 1.0)
     c_star_NK = w_M.new_zeros(valid_NK.numel()).index_copy_(0, idx_M, c_star_M).view(valid_NK.shape)
