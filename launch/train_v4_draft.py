@@ -9,7 +9,11 @@ Re-running the same command on the same --run-dir resumes from its `latest` chec
 One process, no Ray or DeepSpeed (one GPU or CPU; the same checkpoints, resumed the same way):
     python launch/train_v4_draft.py --single-process --run-dir runs/one-gpu target.dtype=bfloat16
 
-Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr), 1 for a failed run.
+Stopping: SIGTERM or Ctrl-C (`ray job stop`, a Kubernetes eviction) checkpoints at the next step boundary and
+exits with status 75; re-running the same command resumes there. A second signal stops at once.
+
+Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr), 1 for a failed run,
+75 for a run stopped on request with its checkpoint saved.
 """
 
 from __future__ import annotations
@@ -75,7 +79,10 @@ def connect_ray(cfg) -> None:
     t, c = cfg.target, cfg.cluster
     needed = t.num_workers * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
     num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
+    # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
+    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
+             runtime_env=runtime_env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from workers.orchestrate import InputError, run_training
+    from workers.preemption import PREEMPTED_EXIT, StoppedEarly
 
     t0 = time.time()
     failure: tuple[int, str] | None = None
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             train_single_process(cfg, log, resume_from=latest)
         else:
             run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log)
+    except StoppedEarly as e:
+        failure = (PREEMPTED_EXIT, f"{e} ({run_dir})")
     except InputError as e:
         failure = (2, str(e))
     except Exception as e:  # a failed run: one clear line, the details are in the worker logs above
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if ray.is_initialized():  # before the message: Ray's log forwarding would otherwise print after it
                 ray.shutdown()
     if failure is not None:
-        print(f"error: {failure[1]}", file=sys.stderr)
+        print(f"{'stopped' if failure[0] == PREEMPTED_EXIT else 'error'}: {failure[1]}", file=sys.stderr)
         return failure[0]
     log.info("done in %.0fs; run dir %s", time.time() - t0, run_dir)
     return 0

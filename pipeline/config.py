@@ -41,6 +41,12 @@ class TargetConfig:
     device_map: str = ""  # "" = single device; "auto" = let accelerate place a target spanning several GPUs
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
     max_tokens_per_forward: int = 8192
+    # a target worker that dies (OOM, lost node, preempted pod) is restarted by Ray up to this many times (-1 =
+    # without limit) and the batches it was producing are re-run on it: a batch is a pure function of its index
+    max_restarts: int = 20
+    # a trainer waits at most this long for one feature batch (a restarted worker reloads the target first),
+    # then fails with a message naming the batch instead of hanging
+    batch_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -91,6 +97,10 @@ class ClusterConfig:
     use_gpu: bool = False
     resources_per_trainer: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
     local_num_cpus: int = 0  # CPUs of a locally started cluster; 0 = what the machine has
+    # Ray Train restarts the whole trainer group after a trainer dies, up to this many times per job (-1 = without
+    # limit); each restart resumes from the newest good checkpoint
+    max_failures: int = 3
+    dashboard_host: str = "127.0.0.1"  # a locally started cluster's dashboard binds here ("0.0.0.0" = every interface)
 
 
 @dataclass
@@ -121,6 +131,9 @@ class RunConfig:
             (self.target.dtype in _DTYPES, f"target.dtype must be one of {sorted(_DTYPES)}"),
             (self.target.wire_dtype in _DTYPES, f"target.wire_dtype must be one of {sorted(_DTYPES)}"),
             (self.target.num_workers >= 1, "target.num_workers must be >= 1"),
+            (self.target.max_restarts >= -1, "target.max_restarts must be >= 0, or -1 for no limit"),
+            (self.target.batch_timeout_s > 0, "target.batch_timeout_s must be > 0"),
+            (self.cluster.max_failures >= -1, "cluster.max_failures must be >= 0, or -1 for no limit"),
             (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
             (self.data.max_len >= 2, "data.max_len must be >= 2"),
             (self.data.samples_per_batch >= 1, "data.samples_per_batch must be >= 1"),

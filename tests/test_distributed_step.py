@@ -38,15 +38,17 @@ def _run_cfg(aux_coef: float = 0.0) -> RunConfig:
     return cfg
 
 
-def _micro(b: int, block_size: int) -> tuple:
+def _micro(b: int, block_size: int):
     """Global feature batch `b` packed: two sequences, anchors that vary with b (some blocks cut short)."""
+    from workers.train_step import MicroBatch
+
     lens = [10 + b % 5, 8 + (3 * b) % 7]
     blocks = [(0, 0), (0, 1 + b % 6), (1, (2 * b) % 6), (1, lens[1] - 2)]
     bb = make_batch(lens, blocks, block_size, feat_width=D, seed=100 + b)
     n, k = bb.valid_NK.shape
     stats = PackStats(sample_ids=(), sequences_dropped=0, tokens=sum(lens), blocks=n, block_size=k,
                       useful_block_tokens=int(bb.valid_NK.sum()))
-    return bb, stats, 0
+    return MicroBatch(bb, stats, 0, b)
 
 
 class _Batches:

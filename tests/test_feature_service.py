@@ -1,5 +1,6 @@
-"""The feature service on a real local Ray cluster: deterministic batch contents, bounded prefetch
-(backpressure), each batch handed out once, replay mode.
+"""The feature service on a real local Ray cluster: deterministic batch contents read by id from the run's
+samples file, bounded prefetch (backpressure), a re-requested batch produced again, a killed target worker
+restarted with its in-flight batch re-run, replay mode.
 
 Run: python -m pytest tests/test_feature_service.py -q
 """
@@ -12,6 +13,7 @@ import ray
 
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
+from pipeline.sample_store import SampleStore, write_samples
 from pipeline.target_model import resolve_target_path
 from workers.feature_service import FeatureService
 
@@ -29,16 +31,31 @@ def _samples(n: int) -> list[TokenizedSample]:
             for i in range(n)]
 
 
-def _service(samples, max_in_flight: int, replay: int = 0):
+def _service(samples, tmp_path, max_in_flight: int, replay: int = 0):
     target = {"resolved_path": str(resolve_target_path("tiny-qwen3-moe")), "dtype": "float32",
               "wire_dtype": "bfloat16", "num_workers": 1, "cpus_per_worker": 1.0, "gpus_per_worker": 0.0,
-              "device_map": "", "resources_per_worker": {}, "max_tokens_per_forward": 512}
-    return FeatureService.remote(samples, target, [1, -1], 3, 7, max_in_flight, replay)
+              "device_map": "", "resources_per_worker": {}, "max_tokens_per_forward": 512, "max_restarts": 2,
+              "batch_timeout_s": 60.0}
+    path = write_samples(samples, tmp_path / "samples.parquet")
+    return FeatureService.remote(str(path), target, [1, -1], 3, 7, max_in_flight, replay)
 
 
-def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray):
+def test_sample_store_reads_rows_by_id(tmp_path):
+    samples = _samples(11)
+    store = SampleStore(write_samples(samples, tmp_path / "s.parquet"))
+    assert len(store) == 11
+    for got, want in zip(store.take([7, 0, 10]), [samples[7], samples[0], samples[10]]):
+        assert got.sample_id == want.sample_id
+        assert np.array_equal(got.input_ids, want.input_ids) and np.array_equal(got.loss_mask, want.loss_mask)
+    with pytest.raises(IndexError, match="sample id 11"):
+        store.take([11])
+    with pytest.raises(ValueError, match="position 0 has id 3"):
+        write_samples([TokenizedSample(3, np.ones(2, dtype=np.int64), np.ones(2, dtype=bool))], tmp_path / "x")
+
+
+def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray, tmp_path):
     samples = _samples(20)
-    svc = _service(samples, max_in_flight=2)
+    svc = _service(samples, tmp_path, max_in_flight=2)
     try:
         for b in range(5):
             (ref,) = ray.get(svc.get.remote(b))
@@ -50,15 +67,37 @@ def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray):
             ids = [samples[i].input_ids for i in fb.sample_ids]
             assert np.array_equal(fb.input_ids_T.numpy(), np.concatenate(ids))
             assert fb.ctx_feats_TF.shape[1] == 2 * fb.final_hidden_TD.shape[1]
-        with pytest.raises(ray.exceptions.RayTaskError, match="already handed out"):
-            ray.get(svc.get.remote(3))
+        # asked again (a trainer group restarted from a checkpoint): produced again, the same, and the
+        # prefetch window restarts there
+        again = ray.get(ray.get(svc.get.remote(3))[0])
+        assert again.sample_ids == tuple(batch_sample_ids(3, 20, 3, 7))
+        assert ray.get(svc.stats.remote()) == {"reissued": 1, "low": 4}
+        assert ray.get(ray.get(svc.get.remote(4))[0]).batch_index == 4
     finally:
         ray.get(svc.shutdown.remote())
         ray.kill(svc)
 
 
-def test_replay_serves_a_fixed_set(local_ray):
-    svc = _service(_samples(20), max_in_flight=2, replay=2)
+def test_killed_target_worker_restarts_and_its_batch_is_rerun(local_ray, tmp_path):
+    samples = _samples(20)
+    svc = _service(samples, tmp_path, max_in_flight=1)
+    try:
+        first = ray.get(ray.get(svc.get.remote(0))[0])
+        (worker,) = ray.get(svc.workers.remote())
+        pid = ray.get(worker.pid.remote())
+        ray.kill(worker, no_restart=False)  # as a crash: Ray restarts it (max_restarts) and re-runs its calls
+        (ref,) = ray.get(svc.get.remote(1))
+        fb = ray.get(ref, timeout=120)
+        assert fb.sample_ids == tuple(batch_sample_ids(1, 20, 3, 7))
+        assert ray.get(worker.pid.remote()) != pid  # a new process
+        assert first.batch_index == 0
+    finally:
+        ray.get(svc.shutdown.remote())
+        ray.kill(svc)
+
+
+def test_replay_serves_a_fixed_set(local_ray, tmp_path):
+    svc = _service(_samples(20), tmp_path, max_in_flight=2, replay=2)
     try:
         first = [ray.get(ray.get(svc.get.remote(b))[0]).sample_ids for b in range(4)]
         assert first[0] == first[2] and first[1] == first[3] and first[0] != first[1]

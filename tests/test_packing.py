@@ -242,7 +242,7 @@ def test_trainers_pack_with_the_configured_anchor_rule():
     for full_first in (True, False):
         cfg = load_config(None, [f"data.full_blocks_first={str(full_first).lower()}", "data.anchors_per_seq=8",
                                  "draft.block_size=5"])
-        bb, _, _ = pack_micro_batch(fb, 0, cfg, 3, torch.float32, torch.device("cpu"))
+        bb = pack_micro_batch(fb, 0, cfg, 3, torch.float32, torch.device("cpu")).batch
         ref, _ = pack([fb.decode(torch.float32)], 5, 8, cfg.data.seed, full_blocks_first=full_first)
         assert torch.equal(bb.anchor_pos_N, ref.anchor_pos_N)
     assert not torch.equal(*(pack([fb.decode(torch.float32)], 5, 8, 0, full_blocks_first=f)[0].anchor_pos_N

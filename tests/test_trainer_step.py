@@ -19,7 +19,7 @@ from draft_model.config import LossConfig
 from draft_model.loss import output_loss
 from draft_model.registry import build_draft
 from pipeline.packing import PackStats
-from workers.train_step import DraftWithLoss, optimizer_step
+from workers.train_step import DraftWithLoss, MicroBatch, optimizer_step
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,8 @@ def test_grad_accum_step_is_the_global_batch_gradient(single_rank_env):
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 0},
         "gradient_clipping": 0.0, "steps_per_print": 10 ** 9})  # DeepSpeed clips at 1.0 unless told otherwise
-    acc, global_w = optimizer_step(engine, [(b1, _stats(b1), 0), (b2, _stats(b2), 0)], loss_cfg.decay_lambda,
-                                   world=1)
+    micro = [MicroBatch(b1, _stats(b1), 0), MicroBatch(b2, _stats(b2), 0)]
+    acc, global_w = optimizer_step(engine, micro, loss_cfg.decay_lambda, world=1)
     assert global_w == pytest.approx(float(total_w), rel=1e-6)
     assert engine.global_steps == 1
     for n, p in engine.module.named_parameters():
@@ -103,7 +103,7 @@ def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
     embed, head = frozen_weights()
     batches = [make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1),
                make_batch([15], [(0, 2), (0, 6), (0, 12), (0, 13)], 4, feat_width=32, seed=2)]
-    micro = [(b, _stats(b), 0) for b in batches]
+    micro = [MicroBatch(b, _stats(b), 0) for b in batches]
     module = DraftWithLoss(build_draft(cfg.draft, embed, head), cfg.loss)
     twin = copy.deepcopy(module)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -159,7 +159,7 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     embed, head = frozen_weights()
     batches = [make_batch([12, 9], [(0, 3), (0, 9), (1, 5)], 4, feat_width=32, seed=1),
                make_batch([15], [(0, 2), (0, 6), (0, 12), (0, 13)], 4, feat_width=32, seed=2)]
-    micro = [(b, _stats(b), 0) for b in batches]
+    micro = [MicroBatch(b, _stats(b), 0) for b in batches]
 
     def engine(seed: int) -> TorchEngine:
         torch.manual_seed(seed)
@@ -227,7 +227,7 @@ def test_torch_engine_bf16_autocast_keeps_fp32_master_weights():
         losses[precision] = float(parts.total(parts.weight_sum))
         before = [p.detach().clone() for p in engine.module.parameters()]
         for _ in range(3):  # DeepSpeed's schedule (which TorchEngine follows) starts with two zero-lr steps
-            optimizer_step(engine, [(batch, _stats(batch), 0)], cfg.loss.decay_lambda, world=1)
+            optimizer_step(engine, [MicroBatch(batch, _stats(batch), 0)], cfg.loss.decay_lambda, world=1)
         assert all(p.dtype == torch.float32 for p in engine.module.parameters())
         assert any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
     assert losses["bf16"] != losses["fp32"]

@@ -50,8 +50,11 @@ class CheckpointManager:
                                f"point it at a complete checkpoint under {self.root} or remove it")
         return path
 
-    def save(self, engine: Any, step: int, meta: dict[str, Any], rank: int, barrier: Callable[[], None]) -> Path:
-        """Collective: every rank calls it with the same step. Returns the final checkpoint directory."""
+    def save(self, engine: Any, step: int, meta: dict[str, Any], rank: int, barrier: Callable[[], None],
+             extra_files: Callable[[Path], None] | None = None) -> Path:
+        """Collective: every rank calls it with the same step. Returns the final checkpoint directory.
+        `extra_files(tmp_dir)` runs on rank 0 after every rank wrote its state, before meta.json: files it writes
+        there are committed with the checkpoint (the sample ledger)."""
         final = self.root / _step_dir_name(step)
         tmp = self.root / (_step_dir_name(step) + ".tmp")
         if rank == 0:
@@ -64,6 +67,8 @@ class CheckpointManager:
         torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
         barrier()
         if rank == 0:
+            if extra_files is not None:
+                extra_files(tmp)
             record = {**meta, "step": step, "saved_at": time.time()}
             write_text_atomic(tmp / "meta.json", json.dumps(record, indent=1, default=str))
             if final.exists():  # a re-run of the same step after a crash: replace it with the fresh one

@@ -4,6 +4,15 @@ Trainers ask for batch b (pipeline/order.py says which b each rank needs at each
 ObjectRef to a FeatureBatch produced by one of its target workers. It keeps at most `max_in_flight` batches
 produced ahead of the lowest batch not yet handed out, so the target never runs unboundedly ahead of the
 trainers (backpressure) and memory stays flat. Tensors never pass through this actor: it only moves references.
+
+Faults. A batch is a pure function of its index (its samples come from pipeline/order.py, read by id from the
+run's samples file), so every recovery is a re-run, never a replay of a queue:
+- a target worker that dies is restarted by Ray (`target.max_restarts`) and the encode calls it had in flight are
+  re-run on the restarted worker (`max_task_retries`); a trainer waiting on such a batch simply waits longer;
+- `get` is idempotent: a batch asked for again (a trainer group restarted from a checkpoint, or a trainer whose
+  reference was lost) is produced again, and the prefetch window restarts from it;
+- the service itself restarts with its constructor arguments, which name the samples file instead of holding
+  the dataset; its state (what was prefetched) is only an optimisation.
 """
 
 from __future__ import annotations
@@ -13,19 +22,27 @@ from typing import Any
 
 import ray
 
-from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
+from pipeline.sample_store import SampleStore
+
+
+def target_worker_options(target: dict[str, Any]) -> dict[str, Any]:
+    """Ray options of one target worker: its resources, and a restart (with its in-flight calls re-run) when it
+    dies; an error raised by `encode` itself is not retried (it would fail the same way again)."""
+    return {"num_cpus": target["cpus_per_worker"], "num_gpus": target["gpus_per_worker"],
+            "resources": target["resources_per_worker"] or None,
+            "max_restarts": target["max_restarts"], "max_task_retries": -1}
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)
 class FeatureService:
-    def __init__(self, samples: list[TokenizedSample], target: dict[str, Any], layers: list[int],
-                 samples_per_batch: int, seed: int, max_in_flight: int, replay_batches: int = 0) -> None:
+    def __init__(self, samples_path: str, target: dict[str, Any], layers: list[int], samples_per_batch: int,
+                 seed: int, max_in_flight: int, replay_batches: int = 0) -> None:
         from workers.target_worker import TargetWorker
 
-        if not samples:
-            raise ValueError("the dataset has no samples")
-        self._samples = samples
+        self._samples = SampleStore(samples_path)
+        if not len(self._samples):
+            raise ValueError(f"{samples_path} has no samples")
         self._spb, self._seed, self._max_in_flight = samples_per_batch, seed, max_in_flight
         self._replay = replay_batches
         self._replay_refs: list[ray.ObjectRef] = []
@@ -35,8 +52,7 @@ class FeatureService:
         placement = {"device_map": target["device_map"] or "auto"} if gpus > 1 else {
             "device": "cuda" if gpus > 0 else "cpu"}
         self._workers = [
-            actor_cls.options(num_cpus=target["cpus_per_worker"], num_gpus=gpus,
-                              resources=target["resources_per_worker"] or None).remote(
+            actor_cls.options(**target_worker_options(target)).remote(
                 target["resolved_path"], layers, compute_dtype=target["dtype"], wire_dtype=target["wire_dtype"],
                 max_tokens_per_forward=target["max_tokens_per_forward"], **placement)
             for _ in range(target["num_workers"])
@@ -46,19 +62,22 @@ class FeatureService:
         self._handed_out: set[int] = set()
         self._low = 0  # every batch below this was handed out
         self._next_worker = 0
-        self._produced_bytes = 0
-        self._produced_tokens = 0
+        self._reissued = 0
 
     def target_info(self) -> dict[str, Any]:
         vocab, hidden, layers = ray.get(self._workers[0].info.remote())
         return {"vocab_size": vocab, "hidden_size": hidden, "num_layers": layers}
+
+    def num_samples(self) -> int:
+        return len(self._samples)
 
     def embedding_weights(self) -> list[ray.ObjectRef]:
         """[ref] to (embed_VD, lm_head_VD) CPU tensors; wrapped in a list so Ray does not resolve it here."""
         return [self._workers[0].embedding_weights.remote()]
 
     def get(self, batch_index: int) -> list[ray.ObjectRef]:
-        """[ref] to FeatureBatch `batch_index`; each index is handed out once."""
+        """[ref] to FeatureBatch `batch_index`. Asking again for a batch already handed out produces it again
+        (a restarted trainer re-reads from its checkpoint) and restarts the prefetch window there."""
         if self._replay:
             with self._lock:
                 while len(self._replay_refs) < self._replay:
@@ -68,7 +87,10 @@ class FeatureService:
             return [self._replay_refs[batch_index % self._replay]]
         with self._lock:
             if batch_index < self._low or batch_index in self._handed_out:
-                raise ValueError(f"feature batch {batch_index} was already handed out")
+                self._reissued += 1
+                self._low, self._handed_out = batch_index, set()
+                # prefetched batches at or past the rewind point stay valid; older ones will not be asked for
+                self._launched = {b: r for b, r in self._launched.items() if b >= batch_index}
             self._launch(batch_index)
             ref = self._launched.pop(batch_index)
             self._handed_out.add(batch_index)
@@ -87,12 +109,21 @@ class FeatureService:
         ids = batch_sample_ids(b, len(self._samples), self._spb, self._seed)
         worker = self._workers[self._next_worker % len(self._workers)]
         self._next_worker += 1
-        self._launched[b] = worker.encode.remote(b, [self._samples[i] for i in ids])
+        self._launched[b] = worker.encode.remote(b, self._samples.take(ids))
+
+    def workers(self) -> list[Any]:
+        """The target workers' handles (operators and fault tests)."""
+        return list(self._workers)
 
     def in_flight(self) -> int:
         with self._lock:
             return len(self._launched)
 
+    def stats(self) -> dict[str, int]:
+        """How often a batch was asked for again (trainer restarts, lost references)."""
+        with self._lock:
+            return {"reissued": self._reissued, "low": self._low}
+
     def shutdown(self) -> None:
         for w in self._workers:
-            ray.kill(w)
+            ray.kill(w, no_restart=True)

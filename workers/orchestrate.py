@@ -91,26 +91,48 @@ def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
     return target_path, samples
 
 
+def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:
+    """The run's samples as <run_dir>/samples.parquet (the feature service reads rows from it by id) and its
+    sha256. A resumed run rewrites it from the same source; the ledger's digest check then proves the samples
+    did not change under the run."""
+    from pipeline.data_stage import file_digest
+    from pipeline.sample_store import SAMPLES_FILE, write_samples
+
+    path = write_samples(samples, run_dir / SAMPLES_FILE)
+    return path, file_digest(path)
+
+
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
                  log: logging.Logger) -> None:
+    """Train to the end, or raise StoppedEarly after a stop request (SIGTERM/SIGINT on this process, or on a
+    trainer: workers/run_control.py) once every trainer has checkpointed the same step."""
     import json
 
     import ray
+    from ray.train import FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from workers.feature_service import FeatureService
+    from workers.preemption import StoppedEarly, stop_on_signal
+    from workers.run_control import RunControl
     from workers.trainer import train_loop
 
     if resume_from is not None:
         check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
     target_path, samples = resolve_inputs(cfg, log)
+    run_dir = Path(cfg.checkpoint.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    samples_path, samples_digest = write_run_samples(samples, run_dir)
+    num_samples = len(samples)
+    del samples  # the feature service reads them back by id; the driver need not hold the dataset
 
     connect()
+    control = RunControl.remote()
     target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
-    service = FeatureService.remote(samples, target, list(cfg.draft.target_layers), cfg.data.samples_per_batch,
-                                    cfg.data.seed, cfg.data.max_in_flight, cfg.data.replay_batches)
+    service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(
+        str(samples_path), target, list(cfg.draft.target_layers), cfg.data.samples_per_batch, cfg.data.seed,
+        cfg.data.max_in_flight, cfg.data.replay_batches)
     info = ray.get(service.target_info.remote())
     try:
         cfg.draft = cfg.draft.resolved_for_target(info["vocab_size"], info["hidden_size"], info["num_layers"])
@@ -118,8 +140,6 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         raise InputError(str(e)) from e
     (weights_ref,) = ray.get(service.embedding_weights.remote())
 
-    run_dir = Path(cfg.checkpoint.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     log.info("training %s draft (%d layers, ffn %s, residual %s, window %d, gamma %d, head %s) for %d steps on %d "
              "trainer(s); %s", cfg.draft.arch, cfg.draft.num_layers, cfg.draft.ffn, cfg.draft.residual,
@@ -129,18 +149,27 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     resources = {"CPU": cfg.cluster.cpus_per_trainer, **cfg.cluster.resources_per_trainer}
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": cfg.to_dict(), "service": service, "weights_ref": weights_ref,
-                           "num_samples": len(samples),
-                           "resume_from": str(resume_from) if resume_from else None},
+        train_loop_config={"config": cfg.to_dict(), "service": service, "control": control,
+                           "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest},
         scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
                                      resources_per_worker=resources),
-        run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train"),
+        run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train",
+                                failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
     )
     try:
-        trainer.fit()
+        with stop_on_signal(lambda name: control.request_stop.remote(name)):
+            trainer.fit()
+        reason = ray.get(control.stop_reason.remote())
     finally:
         ray.get(service.shutdown.remote())
-        ray.kill(service)
+        ray.kill(service, no_restart=True)
+    if reason is not None:
+        from workers.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest()
+        step = int(json.loads((latest / "meta.json").read_text())["step"]) if latest else 0
+        if step < cfg.train.max_steps:  # else the request came during the last step: the run is complete
+            raise StoppedEarly(step, cfg.train.max_steps)
 
 
 def root_cause(e: BaseException) -> str:

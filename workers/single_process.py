@@ -33,6 +33,7 @@ from pipeline.config import RunConfig, save_config
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
 from workers.checkpoint import CheckpointManager, export_draft
+from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.train_loop import MicroBatch, fit, resume
 from workers.train_step import DraftWithLoss, compile_draft, export_meta, pack_micro_batch, param_groups
 
@@ -153,7 +154,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
                          resume_from: Path | None = None) -> Path:
     """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
     directory."""
-    from workers.orchestrate import InputError, check_resume, resolve_inputs
+    from workers.orchestrate import InputError, check_resume, resolve_inputs, write_run_samples
     from workers.target_worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
@@ -183,9 +184,10 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
         compile_draft(module.draft)
     engine = TorchEngine(module, cfg)
     ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
-    start_step = resume(engine, ckpts, resume_from, 0, log)
-
     run_dir.mkdir(parents=True, exist_ok=True)
+    _, samples_digest = write_run_samples(samples, run_dir)  # what the ledger's sample ids refer to
+    start_step, ledger = resume(engine, ckpts, resume_from, 0, log, samples_digest)
+
     save_config(cfg, run_dir / "config.yaml")
     sink = JsonlSink(str(run_dir / "metrics.jsonl"))
     log.info("single-process training of a %s draft (%d layers, head %s, gamma %d) on %s for %d steps; %d samples;"
@@ -193,9 +195,14 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
              cfg.train.max_steps, len(samples), f"resuming from {resume_from}" if resume_from else "fresh start")
     t_start = time.time()
     try:
-        fit(engine, LocalBatches(worker, samples, cfg, dev), ckpts, sink, cfg, 0, 1, start_step, log)
+        with stop_on_signal(lambda _name: None) as stop:
+            result = fit(engine, LocalBatches(worker, samples, cfg, dev), ckpts, sink, cfg, 0, 1, start_step, log,
+                         ledger=ledger, poll=lambda: Notice(stop=stop.is_set()),
+                         num_samples=len(samples))
     finally:
         sink.close()
+    if result.stopped_at is not None:
+        raise StoppedEarly(result.stopped_at, cfg.train.max_steps)
     state = {k: v.detach().float().cpu() for k, v in module.draft.state_dict().items()}
     out = export_draft(state, export_meta(cfg), run_dir / "export")
     log.info("exported the draft to %s (%.0f s)", out, time.time() - t_start)

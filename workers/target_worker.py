@@ -74,6 +74,9 @@ class TargetWorker:
         validate_layers(self.layers, target_dims(self.model)[2])
         self.max_tokens_per_forward = max_tokens_per_forward
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def info(self) -> tuple[int, int, int]:
         """(vocab_size, hidden_size, num_layers) of the target."""
         return target_dims(self.model)
@@ -107,8 +110,8 @@ class TargetWorker:
             # Right padding: with a causal mask, pads after a sequence cannot change its real positions.
             ids_BL = torch.zeros(len(group), L, dtype=torch.long)
             mask_BL = torch.zeros(len(group), L, dtype=torch.long)
-            for b, i in enumerate(group):
-                ids_BL[b, :lengths[i]] = torch.as_tensor(samples[i].input_ids, dtype=torch.long)
+            for b, i in enumerate(group):  # torch.tensor copies: arrays that arrive through Ray are read-only
+                ids_BL[b, :lengths[i]] = torch.tensor(samples[i].input_ids, dtype=torch.long)
                 mask_BL[b, :lengths[i]] = 1
             ctx_BLF, final_BLD = capture_features(self.model, ids_BL.to(self.input_device),
                                                   mask_BL.to(self.input_device), self.layers)

@@ -8,31 +8,38 @@ trainer (workers/single_process.py). It never asks how it is deployed; what diff
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
               `load_checkpoint`): a DeepSpeed engine, or workers/single_process.TorchEngine.
 - `checkpointer` a workers/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
+- `ledger`    a workers/ledger.Ledger (from `resume`): the samples each committed step trained.
+- `poll`      called once per step on every rank: a workers/preemption.Notice. If any rank says stop, every
+              rank checkpoints after that step and `fit` returns early; if any says checkpoint, all checkpoint
+              after that step and go on (a node of the group is being drained).
 
 Per step: fetch, `optimizer_step` (workers/train_step.py: loss scaling and the step itself), the all-reduced
-metrics, one log line, the sink, the progress bar, and a checkpoint every `checkpoint.every_steps` and at the end.
-Collectives go through torch.distributed when it is initialised and are no-ops otherwise (one process).
+metrics, one log line, the sink, the progress bar, and a checkpoint (with the sample ledger) every
+`checkpoint.every_steps`, at the end, and when asked to stop. Collectives go through torch.distributed when it is
+initialised and are no-ops otherwise (one process).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from draft_model.batch import BlockBatch
 from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
-from pipeline.packing import PackStats
 from workers.checkpoint import CheckpointManager
-from workers.train_step import all_reduce_sum, format_step, optimizer_step, step_metrics
+from workers.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
+from workers.preemption import Notice
+from workers.train_step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
 
-MicroBatch = tuple[BlockBatch, PackStats, int]  # (packed batch on the device, its pack stats, wire bytes)
+__all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume"]
 
 
 class StepBatches(Protocol):
@@ -51,21 +58,44 @@ def barrier() -> None:
         dist.barrier()
 
 
-def resume(engine: Any, checkpointer: CheckpointManager, path: Path | None, rank: int,
-           log: logging.Logger) -> int:
-    """Restore the engine and this rank's RNG from checkpoint `path` (None: a fresh start); returns its step."""
+def all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def resume(engine: Any, checkpointer: CheckpointManager, path: Path | None, rank: int, log: logging.Logger,
+           samples_digest: str = "") -> tuple[int, Ledger]:
+    """Restore the engine and this rank's RNG from checkpoint `path` (None: a fresh start); returns its step and
+    the sample ledger to continue (rank 0 holds the committed history; the others only add to it)."""
     if path is None:
-        return 0
+        return 0, Ledger(samples_digest=samples_digest)
     meta = checkpointer.load(engine, Path(path), rank)
+    rows: list = []
+    if rank == 0 and (Path(path) / LEDGER_FILE).is_file():
+        rows, saved_digest = read_ledger(Path(path) / LEDGER_FILE)
+        if samples_digest and saved_digest and saved_digest != samples_digest:
+            raise RuntimeError(f"{path}: its ledger names samples of another samples file (sha256 {saved_digest[:12]}"
+                               f" there, {samples_digest[:12]} now): the training data changed under the run")
     log.info("resumed from %s at step %d", path, int(meta["step"]))
-    return int(meta["step"])
+    return int(meta["step"]), Ledger(rows, samples_digest)
+
+
+@dataclass
+class FitResult:
+    metrics: dict[str, float] | None  # the last step's (None if no step ran)
+    stopped_at: int | None = None  # the step it checkpointed and stopped at when asked to stop early
 
 
 def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink: MetricsSink, cfg: RunConfig,
-        rank: int, world: int, start_step: int, log: logging.Logger, bar: Any = None) -> dict[str, float] | None:
-    """Train from `start_step` to `train.max_steps`; returns the last step's metrics (None if none ran)."""
+        rank: int, world: int, start_step: int, log: logging.Logger, bar: Any = None, ledger: Ledger | None = None,
+        poll: Callable[[], Notice] | None = None, num_samples: int = 0) -> FitResult:
+    """Train from `start_step` to `train.max_steps`, or until `poll` says stop on any rank."""
     t = cfg.train
     metrics = None
+    ledger = ledger if ledger is not None else Ledger()
     t_start = time.time()
     try:
         if start_step < t.max_steps:
@@ -78,10 +108,16 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             t_data = time.time() - t0
 
             acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
-            if micro and micro[0][0].input_ids_T.is_cuda:
+            for mb in micro:
+                ledger.record(step + 1, mb.batch_index, rank, world, mb.sample_ids)
+            if micro and micro[0].batch.input_ids_T.is_cuda:
                 torch.cuda.synchronize()  # so that dt is the step's time, not the time to queue its kernels
-            metrics = step_metrics(all_reduce_sum(list(acc.values())), global_w, cfg, world, time.time() - t0,
-                                   t_data, engine.get_lr()[0], step + 1)
+            # the ranks' votes ride on the metrics' all-reduce, so all of them act after the same step
+            notice = poll() if poll is not None else Notice()
+            *totals, stop_votes, ckpt_votes = all_reduce_sum([*acc.values(), float(notice.stop),
+                                                              float(notice.checkpoint)])
+            metrics = step_metrics(totals, global_w, cfg, world, time.time() - t0, t_data, engine.get_lr()[0],
+                                   step + 1)
             if rank == 0:
                 sink.log(step + 1, metrics)
                 if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
@@ -89,13 +125,26 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                     log.info("%s", format_step(step + 1, t.max_steps, metrics, eta))
                 if bar is not None:
                     bar.update(1)
-            if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == t.max_steps:
+            stop = stop_votes > 0 and step + 1 < t.max_steps
+            if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == t.max_steps or stop or ckpt_votes > 0:
                 meta = {"data_position": {"next_batch_index": batch_index_for(step + 1, 0, 0, t.grad_accum, world),
-                                          "world_size": world, "grad_accum": t.grad_accum},
+                                          "world_size": world, "grad_accum": t.grad_accum,
+                                          "num_samples": num_samples, "samples_digest": ledger.samples_digest},
                         "config": cfg.to_dict(), "metrics": metrics, "engine": type(engine).__name__}
-                path = checkpointer.save(engine, step + 1, meta, rank, barrier)
+                gathered = all_gather(ledger.pending)
+                rows = ledger.commit(gathered) if rank == 0 else ledger.drop_pending()
+
+                def write_rows(ckpt_dir: Path, rows=rows) -> None:
+                    write_ledger(rows, ckpt_dir / LEDGER_FILE, ledger.samples_digest)
+
+                path = checkpointer.save(engine, step + 1, meta, rank, barrier, extra_files=write_rows)
                 if rank == 0:
                     log.info("checkpoint %s", path)
+            if stop:
+                if rank == 0:
+                    log.info("stopping at step %d on request (preemption notice); checkpoint saved, re-run the same "
+                             "command to resume", step + 1)
+                return FitResult(metrics, stopped_at=step + 1)
     finally:
         batches.close()
-    return metrics
+    return FitResult(metrics)

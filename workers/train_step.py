@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -96,19 +96,29 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+class MicroBatch(NamedTuple):
+    """One micro-batch of a rank's optimizer step, ready to train."""
+
+    batch: BlockBatch  # packed, on the device
+    stats: PackStats
+    wire_bytes: int  # what its FeatureBatch took on the wire
+    batch_index: int = -1  # the global feature batch it was packed from
+    sample_ids: tuple[int, ...] = ()  # the samples that FeatureBatch carried (for the sample ledger)
+
+
 def pack_micro_batch(fb: FeatureBatch, batch_index: int, cfg: RunConfig, num_samples: int, dtype: torch.dtype,
-                     device: torch.device) -> tuple[BlockBatch, PackStats, int]:
-    """The feature batch consumed as global batch `batch_index` -> (BlockBatch on `device`, its pack stats, bytes it
-    took on the wire). Anchors are a pure function of (seed, epoch, sample id), so they change per epoch but never
-    per rank or trainer kind. (With data.replay_batches, fb is a replayed batch: the epoch is still `batch_index`'s.)"""
+                     device: torch.device) -> MicroBatch:
+    """The feature batch consumed as global batch `batch_index` -> its MicroBatch on `device`. Anchors are a pure
+    function of (seed, epoch, sample id), so they change per epoch but never per rank or trainer kind. (With
+    data.replay_batches, fb is a replayed batch: the epoch is still `batch_index`'s.)"""
     wire_bytes = fb.nbytes()
     epoch = batch_index // batches_per_epoch(num_samples, cfg.data.samples_per_batch)
     bb, stats = pack([fb.decode(dtype)], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch,
                      full_blocks_first=cfg.data.full_blocks_first)
-    return bb.to(device), stats, wire_bytes
+    return MicroBatch(bb.to(device), stats, wire_bytes, batch_index, tuple(fb.sample_ids))
 
 
-def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], decay_lambda: float,
+def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
                    world: int) -> tuple[dict[str, float], float]:
     """One optimizer step over this rank's micro-batches (DeepSpeed steps the optimizer after the last one).
 
@@ -116,14 +126,14 @@ def optimizer_step(engine: Any, micro: list[tuple[BlockBatch, PackStats, int]], 
     valid masks); each micro-batch's loss is scaled by world·grad_accum/Σw, undoing DeepSpeed's averaging, so the
     update is the gradient of (Σ numerators)/(Σ w) over the global batch. Returns this rank's metric sums and Σw.
     """
-    lengths = [bb.host_index().valid_len_N for bb, _, _ in micro]  # host copies: no device sync for Σw
-    local_w = sum(host_weight_sum(n_N, bb.block_size, decay_lambda) for n_N, (bb, _, _) in zip(lengths, micro))
+    lengths = [mb.batch.host_index().valid_len_N for mb in micro]  # host copies: no device sync for Σw
+    local_w = sum(host_weight_sum(n_N, mb.batch.block_size, decay_lambda) for n_N, mb in zip(lengths, micro))
     (global_w,) = all_reduce_sum([local_w])
     scale = world * len(micro)
     loss_cfg = engine.module.loss_cfg
     acc = dict.fromkeys(("trained", "wire", "useful", "computed", "blocks"), 0.0)
     device_sums = None  # ce, tv, conf, aux, tau_sum summed on the device: one transfer per step, not five per micro
-    for (bb, stats, wire_bytes), n_N in zip(micro, lengths):
+    for (bb, stats, wire_bytes, _, _), n_N in zip(micro, lengths):
         parts = as_loss_parts(engine(bb), loss_cfg)
         # only the normalised term is rescaled: the engine's average over world·grad_accum micro-batches then
         # leaves Σ numerators / Σ w plus the *mean* MoE aux loss, which is what step_metrics logs

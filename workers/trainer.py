@@ -10,6 +10,7 @@ positions only (inside the chunked loss).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,7 +24,8 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
 from workers.checkpoint import CheckpointManager, export_draft
-from workers.train_loop import MicroBatch, barrier, fit, resume
+from workers.run_control import StopPoller
+from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume
 from workers.train_step import (
     DraftWithLoss,
     compile_draft,
@@ -70,7 +72,13 @@ def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig) -> Any:
 
 class FeatureServiceBatches:
     """This rank's micro-batches from the FeatureService: `start` issues the `get` calls (the service then has
-    the target produce them, within its in-flight bound), `take` resolves the refs and packs."""
+    the target produce them, within its in-flight bound), `take` resolves the refs and packs.
+
+    A batch whose producing worker died is re-run by Ray on the restarted worker, so `take` just waits (at most
+    `target.batch_timeout_s`, then one clear error instead of a hang). A reference lost with its owner (the
+    service restarted) is asked for again: the service's `get` is idempotent."""
+
+    RETRIES = 3
 
     def __init__(self, service: Any, cfg: RunConfig, rank: int, world: int, num_samples: int,
                  device: torch.device) -> None:
@@ -84,12 +92,26 @@ class FeatureServiceBatches:
         indices = [batch_index_for(step, m, self.rank, ga, self.world) for m in range(ga)]
         self._calls[step] = [(b, self.service.get.remote(b)) for b in indices]
 
+    def _fetch(self, b: int, call: ray.ObjectRef) -> Any:
+        timeout = self.cfg.target.batch_timeout_s
+        for attempt in range(self.RETRIES + 1):
+            try:
+                (ref,) = ray.get(call, timeout=timeout)
+                return ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"feature batch {b} not ready after {timeout:.0f} s (target.batch_timeout_s): "
+                                   "no target worker produced it; see the target workers' logs") from None
+            except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
+                if attempt == self.RETRIES:
+                    raise
+                get_logger("dspark.trainer", self.rank).warning(
+                    "feature batch %d lost (%s); asking the feature service again", b, type(e).__name__)
+                call = self.service.get.remote(b)
+        raise AssertionError("unreachable")
+
     def take(self, step: int) -> list[MicroBatch]:
-        out = []
-        for b, call in self._calls.pop(step):
-            (ref,) = ray.get(call)
-            out.append(pack_micro_batch(ray.get(ref), b, self.cfg, self.num_samples, self.dtype, self.device))
-        return out
+        return [pack_micro_batch(self._fetch(b, call), b, self.cfg, self.num_samples, self.dtype, self.device)
+                for b, call in self._calls.pop(step)]
 
     def close(self) -> None:
         self._calls.clear()
@@ -111,27 +133,27 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         compile_draft(draft)
     engine = deepspeed_engine(DraftWithLoss(draft, cfg.loss), cfg)
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
-    start_step = resume(engine, ckpts, loop_config.get("resume_from"), rank, log)
+    # Every (re)start finds its own resume point: after a trainer failure Ray Train runs this function again,
+    # and the checkpoint to continue from is the newest one committed so far, not the one the job started from.
+    # Rank 0 decides and tells the others, so that all ranks load the same one.
+    (resume_from,) = all_gather(str(ckpts.latest() or "") if rank == 0 else None)[:1]
+    start_step, ledger = resume(engine, ckpts, Path(resume_from) if resume_from else None, rank, log,
+                                loop_config["samples_digest"])
 
-    sink, bar = NullSink(), None
+    sink = NullSink()
     if rank == 0:
         sinks = [JsonlSink(os.path.join(cfg.checkpoint.run_dir, "metrics.jsonl"))]
         if cfg.train.tensorboard:
             sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard")))
         sink = MultiSink(*sinks)
-        from ray.experimental import tqdm_ray
-
-        bar = tqdm_ray.tqdm(total=cfg.train.max_steps, desc="train steps")
-        bar.update(start_step)
     batches = FeatureServiceBatches(loop_config["service"], cfg, rank, world, loop_config["num_samples"], device)
     try:
-        fit(engine, batches, ckpts, sink, cfg, rank, world, start_step, log, bar)
-        if cfg.checkpoint.export:
+        result = fit(engine, batches, ckpts, sink, cfg, rank, world, start_step, log, ledger=ledger,
+                     poll=StopPoller(loop_config["control"]), num_samples=loop_config["num_samples"])
+        if cfg.checkpoint.export and result.stopped_at is None:
             _export(engine, cfg, rank)
     finally:
         sink.close()
-        if bar is not None:
-            bar.close()
 
 
 def _export(engine: Any, cfg: RunConfig, rank: int) -> None:

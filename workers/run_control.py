@@ -1,0 +1,75 @@
+"""Stop requests for a running job: a preemption notice becomes a checkpoint at the next step boundary.
+
+A SIGTERM (Kubernetes eviction of the driver's pod, `ray job stop`, a spot-instance notice turned into a signal,
+Ctrl-C's cousin `kill`) reaches the driver; the trainers run elsewhere. The driver's handler records the request
+in `RunControl`, a zero-CPU actor of the job; every trainer rank asks it once per step (a ~1 ms call) and the
+ranks' votes are summed with the metrics, so all of them checkpoint after the same step and return
+(workers/train_loop.fit). The driver then raises workers/preemption.StoppedEarly and exits with its status.
+
+A trainer process that gets SIGTERM itself (its node is drained) records the request the same way, through its
+own handler, so the group still stops together; a rank that is killed outright is a trainer failure instead
+(Ray Train restarts the group from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+import ray
+
+from workers.preemption import Notice
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class RunControl:
+    def __init__(self) -> None:
+        self._reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+
+    def stop_reason(self) -> str | None:
+        return self._reason
+
+
+class StopPoller:
+    """`poll` for workers/train_loop.fit on a Ray Train rank, once per step, on every rank:
+    - stop: the driver (or a trainer's own SIGTERM handler) asked RunControl to stop;
+    - checkpoint: Ray Train reports that a node of this group is being drained (a spot reclaim or an autoscaler
+      drain, `ray.train.get_preemption_info`). The group checkpoints at once and trains on; when the node goes,
+      Ray Train restarts the group and it resumes from that checkpoint, losing nothing. Reported once per
+      notice. (`get_preemption_info` is a collective of the group: every rank calls it each step.)"""
+
+    def __init__(self, control: Any, timeout_s: float = 10.0) -> None:
+        self.control, self.timeout_s = control, timeout_s
+        self._local: str | None = None
+        self._drain_seen = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._local = signal.Signals(signum).name
+        self.control.request_stop.remote(f"{self._local} on a trainer")
+
+    def __call__(self) -> Notice:
+        import ray.train
+
+        drained = ray.train.get_preemption_info() is not None
+        checkpoint = drained and not self._drain_seen
+        self._drain_seen = drained
+        if checkpoint:
+            log.warning("a node of this trainer group is being drained: checkpointing now")
+        if self._local is not None:
+            return Notice(stop=True, checkpoint=checkpoint)
+        try:
+            stop = ray.get(self.control.stop_reason.remote(), timeout=self.timeout_s) is not None
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            log.warning("run control did not answer within %.0f s; training on", self.timeout_s)
+            stop = False
+        return Notice(stop=stop, checkpoint=checkpoint)
