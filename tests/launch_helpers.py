@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -88,3 +89,67 @@ class LoopbackHead:
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def actor_pids(head: LoopbackHead, class_name: str) -> list[int]:
+    """PIDs of the live actors of `class_name` on the head's cluster (Ray's state API, through its dashboard)."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=f"http://127.0.0.1:{head.dashboard_port}", detail=True,
+                         filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+    return sorted(int(a.pid) for a in actors if a.pid)
+
+
+def logged_steps(run_dir: Path) -> int:
+    """The highest step in the run's metrics.jsonl so far (0 before the first)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    step = 0
+    for line in path.read_text().splitlines():
+        try:
+            step = max(step, int(json.loads(line)["step"]))
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return step
+
+
+class FaultSchedule:
+    """Runs the launch script in the background and injects faults when metrics.jsonl reaches given steps:
+    ("kill", class_name) SIGKILLs one live actor of that class (a crash), ("sigterm", None) sends SIGTERM to the
+    launch process (a preemption notice). Returns the launch's exit status and when each fault fired."""
+
+    def __init__(self, head: LoopbackHead, args: list[str], run_dir: Path,
+                 faults: list[tuple[int, str, str | None]]) -> None:
+        self.head, self.args, self.run_dir, self.faults = head, args, Path(run_dir), sorted(faults)
+
+    def run(self, timeout: float = 900) -> tuple[int, list[tuple[int, str, str | None, int]], str]:
+        import signal as _signal
+
+        env = quiet_env(RAY_ADDRESS=self.head.address)
+        log = open(self.run_dir.parent / f"{self.run_dir.name}.log", "w")
+        proc = subprocess.Popen([sys.executable, str(LAUNCH), *self.args], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        fired: list[tuple[int, str, str | None, int]] = []
+        pending = list(self.faults)
+        deadline = time.time() + timeout
+        try:
+            while proc.poll() is None and time.time() < deadline:
+                step = logged_steps(self.run_dir)
+                while pending and step >= pending[0][0]:
+                    at, kind, cls = pending.pop(0)
+                    if kind == "sigterm":
+                        proc.send_signal(_signal.SIGTERM)
+                        fired.append((at, kind, cls, proc.pid))
+                    else:
+                        pids = actor_pids(self.head, cls)
+                        assert pids, f"no live {cls} actor to kill at step {step}"
+                        os.kill(pids[-1], _signal.SIGKILL)
+                        fired.append((at, kind, cls, pids[-1]))
+                time.sleep(0.2)
+            if proc.poll() is None:
+                proc.kill()
+                raise TimeoutError(f"launch did not finish within {timeout} s")
+        finally:
+            log.close()
+        return proc.returncode, fired, (self.run_dir.parent / f"{self.run_dir.name}.log").read_text()
