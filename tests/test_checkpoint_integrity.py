@@ -122,6 +122,8 @@ def test_flipped_bytes_of_the_same_size_are_caught_by_the_hash_only(tmp_path, lo
 @pytest.mark.parametrize("damage, reason", [
     (lambda p: (p / MANIFEST).unlink(), "manifest.json is missing"),
     (lambda p: (p / MANIFEST).write_text('{"files": '), "manifest.json is unreadable (JSONDecodeError)"),
+    (lambda p: (p / MANIFEST).write_text('{"files": {"meta.json": 3}}'), "manifest.json is unreadable (TypeError)"),
+    (lambda p: (p / MANIFEST).write_text('{"files": {}}'), "manifest.json does not list meta.json"),
     (lambda p: (p / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
     (lambda p: (p / "meta.json").write_text("{}"), "meta.json is 2 bytes, the manifest says"),
 ])

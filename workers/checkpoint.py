@@ -101,23 +101,25 @@ def checkpoint_problem(path: Path, verify: str = "full") -> str | None:
     if _is_legacy(path):
         return None
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        entries = [(str(rel), int(want["size"]), str(want["sha256"])) for rel, want in files.items()]
     except FileNotFoundError:
         return f"{MANIFEST} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__})"
-    for rel, want in files.items():
+    if "meta.json" not in files:  # save() always lists it: a manifest without it is not one save() wrote
+        return f"{MANIFEST} does not list meta.json"
+    for rel, want_size, want_sha in entries:
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
         size = f.stat().st_size
-        if size != want["size"]:
-            return f"{rel} is {size} bytes, the manifest says {want['size']}"
+        if size != want_size:
+            return f"{rel} is {size} bytes, the manifest says {want_size}"
         if verify == "full":
             _, digest = sha256_file(f)
-            if digest != want["sha256"]:
-                return f"{rel} has sha256 {digest[:12]}..., the manifest says {want['sha256'][:12]}..."
+            if digest != want_sha:
+                return f"{rel} has sha256 {digest[:12]}..., the manifest says {want_sha[:12]}..."
     return None
 
 
