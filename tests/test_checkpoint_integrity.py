@@ -239,7 +239,8 @@ def test_check_resume_compares_nested_draft_keys_and_global_batch():
 def test_check_resume_allows_run_length_placement_and_filled_in_sizes():
     meta = _meta(**{"train.max_steps": 50, "train.log_every": 10, "checkpoint.run_dir": "/old/place",
                     "checkpoint.every_steps": 5, "target.num_workers": 4, "target.max_tokens_per_forward": 512,
-                    "cluster.use_gpu": True, "data.max_in_flight": 9, "loss.chunk_rows": 64,
+                    "cluster.use_gpu": True, "cluster.max_failures": -1, "target.max_restarts": 0,
+                    "target.batch_timeout_s": 60.0, "data.max_in_flight": 9, "loss.chunk_rows": 64,
                     "draft.vocab_size": 49152, "draft.hidden_size": 576, "draft.attn_impl": "gather"})
     check_resume(RunConfig(), meta)
     del meta["config"]["data"]["full_blocks_first"]  # a key the checkpoint's code did not have: its default
@@ -285,3 +286,5 @@ def test_single_process_resume_skips_a_truncated_newest_checkpoint(tmp_path):
         assert resumed[s] == pytest.approx(losses[s], rel=1e-6, abs=1e-7), (s, resumed[s], losses[s])
     assert (ckpt / "latest").read_text().strip() == "step_00000004"
     assert checkpoint_problem(ckpt / "step_00000004") is None  # the bad checkpoint was replaced by a sealed one
+    sealed = json.loads((ckpt / "step_00000004" / MANIFEST).read_text())["files"]
+    assert {"ledger.parquet", "meta.json", "rng_rank0.pt", "ds/model.safetensors", "ds/optimizer.pt"} <= set(sealed)
