@@ -150,7 +150,7 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     """TorchEngine's checkpoint (through CheckpointManager: safetensors weights, optimizer/scheduler/RNG loaded with
     weights_only=True) restores a fresh engine so that its next steps equal an uninterrupted engine's exactly."""
     from pipeline.config import RunConfig
-    from workers.checkpoint import CheckpointManager
+    from workers.checkpoint import CheckpointManager, write_manifest
     from workers.single_process import TorchEngine
 
     cfg = RunConfig()
@@ -174,6 +174,7 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
         ckpts.load(engine(1), path, 0)
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps({**meta, "engine": "TorchEngine"}))
+    write_manifest(path)  # a hand-edited checkpoint must be sealed again, or latest() rejects the edited meta.json
     assert sorted(p.name for p in (path / "ds").iterdir()) == ["model.safetensors", "optimizer.pt", "scheduler.pt"]
     resumed = engine(1)  # other initial weights: everything must come from the checkpoint
     assert ckpts.load(resumed, ckpts.latest(), 0)["step"] == 3

@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints of a draft in training (any engine with DeepSpeed's save_checkpoint /
+"""Atomic, verified, resumable checkpoints of a draft in training (any engine with DeepSpeed's save_checkpoint /
 load_checkpoint), and the final export.
 
 Layout under <run_dir>/checkpoints/:
@@ -6,17 +6,27 @@ Layout under <run_dir>/checkpoints/:
         ds/...              engine state: DeepSpeed's model, per-rank optimizer shards and LR scheduler, or
                             (single process) TorchEngine's model.safetensors, optimizer.pt, scheduler.pt
         rng_rank{r}.pt      each rank's torch RNG state
-        meta.json           step, data position, the resolved run config, the engine's class, wall time
+        (extra files)       whatever `save(extra_files=...)` wrote on rank 0, e.g. the sample ledger
+        meta.json           step, data position, the resolved run config, the engine's class, wall time, format
+        manifest.json       written last: every other file's relative path, size and sha256
     latest                  text file naming the newest complete checkpoint directory
-A checkpoint is written into `step_XXXXXXXX.tmp/` by all ranks and renamed by rank 0 only after every rank
-finished and meta.json is on disk, so a crash at any point leaves either the old `latest` or a complete new one;
-stale `.tmp` directories are removed on the next save.
+A checkpoint is written into `step_XXXXXXXX.tmp/` by all ranks; after every rank finished, rank 0 writes the extra
+files and meta.json, hashes and fsyncs every file, fsyncs the directories, writes manifest.json, renames the
+directory and replaces `latest` (fsyncing the checkpoints directory after each). A crash at any point leaves
+either the old `latest` or a complete new one; stale `.tmp` directories are removed on the next save.
+
+`latest()` does not trust the pointer: it verifies the manifest of the checkpoint it names and falls back to the
+newest older one that verifies (docs/fault-tolerance.md). The manifest detects corruption (truncation, lost or
+flipped bytes, missing files), not tampering: whoever can write the run dir can also rewrite the manifest, and
+DeepSpeed unpickles its own checkpoint files (see "Trust boundary" there).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -25,36 +35,148 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import write_text_atomic
+from pipeline.atomic import fsync_dir, sha256_file, write_text_atomic
+from pipeline.metrics import get_logger
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+FORMAT = 2  # meta.json["format"]: 2 = manifest.json written last; absent = written before manifests existed
+VERIFY_MODES = ("full", "size")  # full: sizes and sha256 of every file; size: existence and sizes only
+_STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+class CheckpointError(RuntimeError):
+    """The run dir's checkpoints cannot be used as they are; the message is one line for the user."""
 
 
 def _step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _step_of(name: str) -> int | None:
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def write_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    """Hash and fsync every file under `ckpt_dir`, fsync its directories, then write manifest.json (atomically,
+    last). Returns the manifest."""
+    files = {}
+    for p in sorted(ckpt_dir.rglob("*")):
+        if p.is_file() and p.relative_to(ckpt_dir).as_posix() != MANIFEST:
+            size, digest = sha256_file(p, fsync=True)
+            files[p.relative_to(ckpt_dir).as_posix()] = {"size": size, "sha256": digest}
+    for d in sorted((p for p in ckpt_dir.rglob("*") if p.is_dir()), reverse=True):
+        fsync_dir(d)
+    manifest = {"format": FORMAT, "algorithm": "sha256", "files": files}
+    write_text_atomic(ckpt_dir / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_dir(ckpt_dir)
+    return manifest
+
+
+def _is_legacy(path: Path) -> bool:
+    """Written by the code before manifests: meta.json without a "format" key, no manifest.json."""
+    if (path / MANIFEST).exists():
+        return False
+    try:
+        return "format" not in json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def checkpoint_problem(path: Path, verify: str = "full") -> str | None:
+    """Why `path` is not a usable checkpoint, as one phrase naming the file; None if it is.
+
+    Checks that every file in manifest.json exists with its recorded size and (verify="full") its sha256. Files
+    that are not in the manifest are ignored: the manifest answers "is everything that was saved still intact".
+    A checkpoint from before manifests (meta.json without "format", no manifest.json) passes unverified:
+    that code's rename-after-complete already guaranteed it was whole when written, and refusing it would strand
+    runs started before this change; `latest()` says it was not verified. A checkpoint whose meta.json has a
+    format but no manifest.json lost it, and fails."""
+    assert verify in VERIFY_MODES, verify
+    if not path.is_dir():
+        return "the directory does not exist"
+    if not (path / "meta.json").is_file():
+        return "meta.json is missing"
+    if _is_legacy(path):
+        return None
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        entries = [(str(rel), int(want["size"]), str(want["sha256"])) for rel, want in files.items()]
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    if "meta.json" not in files:  # save() always lists it: a manifest without it is not one save() wrote
+        return f"{MANIFEST} does not list meta.json"
+    for rel, want_size, want_sha in entries:
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != want_size:
+            return f"{rel} is {size} bytes, the manifest says {want_size}"
+        if verify == "full":
+            _, digest = sha256_file(f)
+            if digest != want_sha:
+                return f"{rel} has sha256 {digest[:12]}..., the manifest says {want_sha[:12]}..."
+    return None
+
+
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3, log: logging.Logger | None = None) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.log = log or get_logger("dspark.checkpoint")
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None. A `latest` naming a missing directory is an error."""
+    def latest(self, verify: str = "full") -> Path | None:
+        """The checkpoint to resume from: the one `latest` names if it verifies, else the newest older one that
+        does; None when the run dir has no checkpoint at all.
+
+        Each checkpoint that fails is one warning line naming the file and why. If checkpoints exist but none
+        verifies, CheckpointError: a silent fresh start would retrain from step 0 and then overwrite the evidence,
+        so the user decides (repair, move them away, or a new run dir). Dirs newer than the one `latest` names are
+        not considered (a crash between the rename and the pointer, or a pointer moved back by hand: the pointer
+        wins). With no `latest` at all but step dirs present (a crash before the first pointer was written, or a
+        deleted pointer), the newest verifying step dir is used, with a warning. verify="full" hashes every file
+        (use it to resume); "size" checks existence and sizes only."""
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        steps = self._step_dirs()
         pointer = self.root / LATEST
         if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / "meta.json").is_file():
-            raise RuntimeError(f"{pointer} names {path.name}, which is missing or incomplete; "
-                               f"point it at a complete checkpoint under {self.root} or remove it")
-        return path
+            if not steps:
+                return None
+            self.log.warning("%s has step dirs but no %s pointer; using the newest one that verifies", self.root,
+                             LATEST)
+            candidates = steps[::-1]
+        else:
+            named = pointer.read_text().strip()
+            named_step = _step_of(named)
+            if named_step is None:
+                raise CheckpointError(f"{pointer} holds {named!r}, not a step_XXXXXXXX name; point it at a "
+                                      f"checkpoint under {self.root} or remove it")
+            candidates = [self.root / named, *(d for d in steps[::-1] if _step_of(d.name) < named_step)]
+        first_problem = None
+        for i, path in enumerate(candidates):
+            problem = checkpoint_problem(path, verify)
+            if problem is None:
+                if i > 0:
+                    self.log.warning("using %s, the newest checkpoint that verifies", path.name)
+                if _is_legacy(path):
+                    self.log.warning("%s has no %s (written before manifests): resuming from it unverified",
+                                     path.name, MANIFEST)
+                return path
+            first_problem = first_problem or f"{path.name}: {problem}"
+            self.log.warning("checkpoint %s is unusable: %s; falling back to an older one", path.name, problem)
+        raise CheckpointError(f"none of the {len(candidates)} checkpoint(s) under {self.root} verifies (newest "
+                              f"{first_problem}); repair or move them away, or use a new --run-dir")
 
     def save(self, engine: Any, step: int, meta: dict[str, Any], rank: int, barrier: Callable[[], None],
              extra_files: Callable[[Path], None] | None = None) -> Path:
         """Collective: every rank calls it with the same step. Returns the final checkpoint directory.
-        `extra_files(tmp_dir)` runs on rank 0 after every rank wrote its state, before meta.json: files it writes
-        there are committed with the checkpoint (the sample ledger)."""
+        `extra_files(tmp_dir)` runs on rank 0 after every rank wrote its engine state, before meta.json and the
+        manifest, so what it writes into tmp_dir is part of the verified checkpoint."""
         final = self.root / _step_dir_name(step)
         tmp = self.root / (_step_dir_name(step) + ".tmp")
         if rank == 0:
@@ -69,18 +191,25 @@ class CheckpointManager:
         if rank == 0:
             if extra_files is not None:
                 extra_files(tmp)
-            record = {**meta, "step": step, "saved_at": time.time()}
+            record = {**meta, "step": step, "format": FORMAT, "saved_at": time.time()}
             write_text_atomic(tmp / "meta.json", json.dumps(record, indent=1, default=str))
+            write_manifest(tmp)
             if final.exists():  # a re-run of the same step after a crash: replace it with the fresh one
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            fsync_dir(self.root)
             write_text_atomic(self.root / LATEST, final.name + "\n")
-            self._prune()
+            fsync_dir(self.root)
+            self._prune(step)
         barrier()
         return final
 
     def load(self, engine: Any, path: Path, rank: int) -> dict[str, Any]:
-        """Restore the engine's state and this rank's RNG; returns meta.json."""
+        """Restore the engine's state and this rank's RNG; returns meta.json. Sizes are checked against the
+        manifest (the full hash check is `latest()`'s, once, before the trainers start)."""
+        problem = checkpoint_problem(path, "size")
+        if problem is not None:
+            raise CheckpointError(f"cannot load {path}: {problem}")
         meta = json.loads((path / "meta.json").read_text())
         kind = type(engine).__name__
         if meta.get("engine", kind) != kind:
@@ -95,8 +224,17 @@ class CheckpointManager:
             torch.set_rng_state(torch.load(rng, weights_only=True))
         return meta
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    def _step_dirs(self) -> list[Path]:
+        """Finished step dirs (not .tmp), oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _step_of(p.name) is not None)
+
+    def _prune(self, saved_step: int) -> None:
+        """Keep the `keep_last` newest checkpoints up to the one just saved. Dirs of later steps (left by a run
+        that resumed from an older checkpoint because a newer one was corrupt) are not counted, so they can never
+        push the fresh checkpoint out; the run replaces each when it saves that step again."""
+        done = [p for p in self._step_dirs() if _step_of(p.name) <= saved_step]
         for old in done[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 

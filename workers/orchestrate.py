@@ -58,22 +58,60 @@ def load_samples(cfg: RunConfig, target_path: Path) -> list:
     return samples
 
 
+# Settings a resume may change: how long the run goes, how it reports and saves, where its processes run, and
+# implementation choices proven to compute the same thing. Every other setting changes the data or the model and
+# must equal the checkpoint's (docs/fault-tolerance.md, "What a resume may change"). A dotted prefix allows a
+# whole subtree.
+RESUMABLE_CHANGES = (
+    "train.max_steps",  # train longer: both engines stretch the cosine to the new total from the restored step
+    "train.log_every", "train.tensorboard",
+    "train.compile",  # the same numbers as eager (tests/test_trainer_step.py); speed only
+    "checkpoint",  # cadence, retention, export; run_dir too: a moved run dir, the checkpoint is found inside it
+    "cluster.address", "cluster.cpus_per_trainer", "cluster.use_gpu", "cluster.resources_per_trainer",
+    "cluster.local_num_cpus", "cluster.max_failures", "cluster.dashboard_host",
+    "target.max_restarts", "target.batch_timeout_s",  # how failures are retried and waited for
+    "target.num_workers", "target.cpus_per_worker", "target.gpus_per_worker", "target.resources_per_worker",
+    "target.device_map", "target.max_tokens_per_forward",  # placement and forward chunking: same features
+    "data.max_in_flight",  # the prefetch bound, not the order
+    "loss.chunk_rows",  # the same sum over other chunks: memory and speed only
+    "draft.attn_impl",  # packed and gather agree to 1e-5 (tests/test_attention_paths.py)
+)
+# Owned by elastic resume (workers/reshard.py): only the product, the global batch, must stay.
+GLOBAL_BATCH = ("train.grad_accum", "cluster.num_trainers")
+FILLED_FROM_TARGET = ("draft.vocab_size", "draft.hidden_size")  # 0 in the config until the target is resolved
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        out.update(_flatten(v, name + ".") if isinstance(v, dict) and v else {name: v})
+    return out
+
+
+def _allowed(name: str) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in RESUMABLE_CHANGES for i in range(1, len(parts) + 1))
+
+
 def check_resume(cfg: RunConfig, meta: dict) -> None:
-    """A resume must replay the same data order with the same model; say which setting differs."""
-    saved = meta.get("config", {})
-    now = cfg.to_dict()
-    keys = [("draft", None), ("data", "samples_per_batch"), ("data", "seed"), ("data", "num_samples"),
-            ("data", "source"), ("train", "grad_accum"), ("cluster", "num_trainers"), ("target", "path")]
-    for section, key in keys:
-        a = saved.get(section, {}) if key is None else saved.get(section, {}).get(key)
-        b = now[section] if key is None else now[section][key]
-        if key is None:  # the draft section is compared after target resolution fills vocab/hidden
-            a = {k: v for k, v in a.items() if k not in ("vocab_size", "hidden_size")}
-            b = {k: v for k, v in b.items() if k not in ("vocab_size", "hidden_size")}
-        if a != b:
-            name = section if key is None else f"{section}.{key}"
-            raise InputError(f"cannot resume: {name} is {b!r} now but {a!r} in the checkpoint (the same model and "
-                             "data order are needed; use a new --run-dir to start over)")
+    """A resume must continue the same model on the same data order: refuse, naming the setting and both values,
+    any difference outside RESUMABLE_CHANGES. A key the checkpoint's config lacks (it predates the key) is
+    compared with the key's default, which by convention is the behaviour of the code before it existed."""
+    saved, now = _flatten(meta.get("config", {})), _flatten(cfg.to_dict())
+    default = _flatten(RunConfig().to_dict())
+    hint = "the same model and data order are needed; use a new --run-dir to start over"
+    (ga_a, nt_a), (ga_b, nt_b) = [[int(x.get(k, default[k])) for k in GLOBAL_BATCH] for x in (saved, now)]
+    if ga_a * nt_a != ga_b * nt_b:
+        raise InputError(f"cannot resume: the global batch (train.grad_accum x cluster.num_trainers) is {ga_b * nt_b}"
+                         f" feature batches per step now ({ga_b} x {nt_b}) but {ga_a * nt_a} in the checkpoint "
+                         f"({ga_a} x {nt_a}); a resume may regroup the global batch, not resize it ({hint})")
+    for name, value in now.items():
+        if _allowed(name) or name in GLOBAL_BATCH or name in FILLED_FROM_TARGET:
+            continue
+        old = saved.get(name, default.get(name))
+        if old != value:
+            raise InputError(f"cannot resume: {name} is {value!r} now but {old!r} in the checkpoint ({hint})")
 
 
 def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
