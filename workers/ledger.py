@@ -123,3 +123,27 @@ def audit_checkpoint(checkpoint_dir: str | os.PathLike) -> Audit:
     rows, _ = read_ledger(d / LEDGER_FILE)
     return audit(rows, int(pos["num_samples"]), cfg["data"]["samples_per_batch"], cfg["data"]["seed"],
                  int(pos["grad_accum"]) * int(pos["world_size"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m workers.ledger RUN_DIR_OR_CHECKPOINT: audit a run's latest checkpoint (or the one given)."""
+    import sys
+
+    from workers.checkpoint import CheckpointManager
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m workers.ledger RUN_DIR_OR_CHECKPOINT_DIR", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    ckpt = path if (path / "meta.json").is_file() else CheckpointManager(path).latest()
+    if ckpt is None or not (ckpt / LEDGER_FILE).is_file():
+        print(f"error: no checkpoint with a {LEDGER_FILE} at {path}", file=sys.stderr)
+        return 2
+    result = audit_checkpoint(ckpt)
+    print(f"{ckpt}: {result.line()}")
+    return 0 if result.exactly_once else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
