@@ -1,12 +1,13 @@
 """Fault tolerance through the real launch script on a loopback Ray head (real Ray Train + DeepSpeed ZeRO-2,
 2 trainers, tiny random Qwen3-MoE target): a target worker and a trainer killed mid-run, and a SIGTERM then a
-resume, each against an unfaulted run with the same seed.
+resume, each against an unfaulted run with the same seed; a failure a restart would only repeat is reported once.
 
 Run: python -m pytest tests/test_faults.py -q     (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,15 @@ def test_sigterm_checkpoints_at_the_next_step_and_resume_continues_the_curve(hea
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:08d}'}" in res.stdout + res.stderr
     _assert_same_curve(run_dir, clean, range(1, STEPS + 1))
     assert audit_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}").exactly_once
+
+
+def test_a_failure_a_restart_would_repeat_is_reported_once_not_retried(head, tmp_path):
+    run_dir = tmp_path / "fatal"
+    # a batch timeout no target can meet: deterministic, so restarting the trainer group would only repeat it
+    res = run_launch(["--run-dir", str(run_dir), *COMMON, "target.batch_timeout_s=0.001"],
+                     env=quiet_env(RAY_ADDRESS=head.address))
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-4000:]
+    assert re.search(r"error: training failed: .*TimeoutError: feature batch \d+ not ready after", res.stderr)
+    # the first attempt failed; the one retry Ray Train made returned at once; no third
+    assert out.count("Started training worker group") == 2, out[-4000:]

@@ -19,6 +19,10 @@ class InputError(ValueError):
     """Bad input the user can fix; reported as one line, exit status 2."""
 
 
+class TrainingFailed(RuntimeError):
+    """A trainer failed in a way no restart fixes; the message is the trainer's error, one line."""
+
+
 def precheck_target(cfg: RunConfig, target_path: Path) -> None:
     """Catch a draft that cannot sit on the target from its config.json, before any worker starts."""
     config_json = target_path / "config.json"
@@ -197,7 +201,9 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     try:
         with stop_on_signal(lambda name: control.request_stop.remote(name)):
             trainer.fit()
-        reason = ray.get(control.stop_reason.remote())
+        fatal, reason = ray.get([control.fatal_error.remote(), control.stop_reason.remote()])
+        if fatal is not None:  # the retried trainer group returned at once (workers/trainer.train_loop)
+            raise TrainingFailed(fatal)
     finally:
         ray.get(service.shutdown.remote())
         ray.kill(service, no_restart=True)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class RunControl:
     def __init__(self) -> None:
         self._reason: str | None = None
+        self._fatal: str | None = None
 
     def request_stop(self, reason: str) -> None:
         if self._reason is None:
@@ -36,6 +37,14 @@ class RunControl:
 
     def stop_reason(self) -> str | None:
         return self._reason
+
+    def record_fatal(self, message: str) -> None:
+        """A trainer failed in a way a restart would repeat (workers/trainer.FATAL_ERRORS)."""
+        if self._fatal is None:
+            self._fatal = message
+
+    def fatal_error(self) -> str | None:
+        return self._fatal
 
 
 class StopPoller:

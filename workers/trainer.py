@@ -23,7 +23,7 @@ from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
-from workers.checkpoint import CheckpointManager, export_draft
+from workers.checkpoint import CheckpointError, CheckpointManager, export_draft
 from workers.run_control import StopPoller
 from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume
 from workers.train_step import (
@@ -117,8 +117,26 @@ class FeatureServiceBatches:
         self._calls.clear()
 
 
+# Errors a restart of the trainer group would only repeat (a non-finite loss, a bad checkpoint, a batch that never
+# comes, a bad value): reported once instead of being retried cluster.max_failures times. Anything else (a peer
+# rank died, a collective broke, an actor was lost) is left to Ray Train's restart.
+FATAL_ERRORS = (FloatingPointError, ValueError, TimeoutError, CheckpointError)
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point: one call per trainer rank."""
+    """Ray Train entry point: one call per trainer rank. Ray Train retries any failure of the group; a failure in
+    FATAL_ERRORS is recorded in RunControl first, so the retried group returns at once and the driver reports it."""
+    control = loop_config["control"]
+    if ray.get(control.fatal_error.remote()) is not None:
+        return
+    try:
+        _train(loop_config)
+    except FATAL_ERRORS as e:
+        ray.get(control.record_fatal.remote(f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _train(loop_config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = get_logger("dspark.trainer", rank)
