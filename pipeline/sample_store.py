@@ -3,14 +3,15 @@
 The driver writes every sample of a run (whatever its source: the embedded corpus, a .jsonl file, a data-stage
 Parquet) once into `<run_dir>/samples.parquet`; the feature service reads rows by id from it. So no actor holds
 the dataset in its constructor arguments (Ray keeps those for a restart), a restarted service finds the same
-samples, and the file's digest, recorded in every checkpoint's ledger, ties the ledger's sample ids to the exact
-token sequences they name.
+samples, and their digest (`samples_digest`), recorded in every checkpoint and its ledger, ties the ledger's
+sample ids to the exact token sequences they name.
 
 Columns: sample_id int64, input_ids list<int32>, loss_mask list<bool>; row i holds sample_id i.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +45,17 @@ def write_samples(samples: Sequence[TokenizedSample], path: str | os.PathLike) -
         os.fsync(f.fileno())
     os.replace(tmp, out)
     return out
+
+
+def samples_digest(samples: Sequence[TokenizedSample]) -> str:
+    """sha256 of the samples' tokens and loss masks, in order (independent of the file format that holds them)."""
+    h = hashlib.sha256()
+    for s in samples:
+        ids = np.asarray(s.input_ids, dtype=np.int64)
+        h.update(np.int64(len(ids)).tobytes())
+        h.update(ids.tobytes())
+        h.update(np.asarray(s.loss_mask, dtype=bool).tobytes())
+    return h.hexdigest()
 
 
 class SampleStore:

@@ -49,3 +49,18 @@ def test_audit_catches_duplicates_losses_and_wrong_batches():
     s, b, r, w, ids = rows[2]
     wrong = audit(rows[:2] + [(s, b, r, w, ids[::-1])] + rows[3:], N, SPB, SEED, GA * WORLD)
     assert wrong.wrong == 1 and wrong.duplicates == 0 and wrong.lost == 0
+
+
+def test_samples_digest_sees_tokens_and_masks_not_the_container():
+    import numpy as np
+
+    from pipeline.contracts import TokenizedSample
+    from pipeline.sample_store import samples_digest
+
+    a = [TokenizedSample(0, np.array([1, 2, 3], dtype=np.int32), np.array([0, 1, 1], dtype=bool))]
+    same = [TokenizedSample(0, np.array([1, 2, 3], dtype=np.int64), np.array([0, 1, 1], dtype=bool))]
+    other_mask = [TokenizedSample(0, np.array([1, 2, 3]), np.array([1, 1, 1], dtype=bool))]
+    split = [TokenizedSample(0, np.array([1]), np.array([0], dtype=bool)),
+             TokenizedSample(1, np.array([2, 3]), np.array([1, 1], dtype=bool))]
+    assert samples_digest(a) == samples_digest(same)
+    assert len({samples_digest(x) for x in (a, other_mask, split)}) == 3

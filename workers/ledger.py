@@ -12,7 +12,7 @@ about 16 bytes per trained sample before compression it stays small next to the 
 present once, with the samples the order assigns to it, so each sample of an epoch trained exactly once.
 
 Columns: step int64 (1-based: the optimizer step that trained it), batch_index int64, rank int32, world int32,
-sample_ids list<int64>; the file's metadata holds the samples file's sha256 (`samples_digest`).
+sample_ids list<int64>; the file's metadata holds the samples' sha256 (pipeline/sample_store.samples_digest).
 """
 
 from __future__ import annotations

@@ -134,14 +134,21 @@ def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
 
 
 def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:
-    """The run's samples as <run_dir>/samples.parquet (the feature service reads rows from it by id) and its
-    sha256. A resumed run rewrites it from the same source; the ledger's digest check then proves the samples
-    did not change under the run."""
-    from pipeline.data_stage import file_digest
-    from pipeline.sample_store import SAMPLES_FILE, write_samples
+    """The run's samples as <run_dir>/samples.parquet (the feature service reads rows from it by id) and the
+    sha256 of their tokens. A resumed run rewrites it from the same source; comparing the digest with the
+    checkpoint's proves the samples did not change under the run."""
+    from pipeline.sample_store import SAMPLES_FILE, samples_digest, write_samples
 
-    path = write_samples(samples, run_dir / SAMPLES_FILE)
-    return path, file_digest(path)
+    return write_samples(samples, run_dir / SAMPLES_FILE), samples_digest(samples)
+
+
+def check_samples(meta: dict, samples_digest: str) -> None:
+    """A resume must train on the same token sequences: the checkpoint records the samples file's sha256."""
+    saved = meta.get("data_position", {}).get("samples_digest")
+    if saved and saved != samples_digest:
+        raise InputError(f"cannot resume: the training samples differ from the checkpoint's (sha256 "
+                         f"{samples_digest[:12]} now, {saved[:12]} there): data.source changed on disk; use a new "
+                         "--run-dir to start over")
 
 
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
@@ -166,6 +173,8 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     run_dir = Path(cfg.checkpoint.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_path, samples_digest = write_run_samples(samples, run_dir)
+    if resume_from is not None:
+        check_samples(json.loads((resume_from / "meta.json").read_text()), samples_digest)
     num_samples = len(samples)
     del samples  # the feature service reads them back by id; the driver need not hold the dataset
 

@@ -154,7 +154,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
                          resume_from: Path | None = None) -> Path:
     """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
     directory."""
-    from workers.orchestrate import InputError, check_resume, resolve_inputs, write_run_samples
+    from workers.orchestrate import InputError, check_resume, check_samples, resolve_inputs, write_run_samples
     from workers.target_worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
@@ -186,6 +186,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
     run_dir.mkdir(parents=True, exist_ok=True)
     _, samples_digest = write_run_samples(samples, run_dir)  # what the ledger's sample ids refer to
+    if resume_from is not None:
+        check_samples(json.loads((Path(resume_from) / "meta.json").read_text()), samples_digest)
     start_step, ledger = resume(engine, ckpts, resume_from, 0, log, samples_digest)
 
     save_config(cfg, run_dir / "config.yaml")

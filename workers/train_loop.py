@@ -77,10 +77,28 @@ def resume(engine: Any, checkpointer: CheckpointManager, path: Path | None, rank
     if rank == 0 and (Path(path) / LEDGER_FILE).is_file():
         rows, saved_digest = read_ledger(Path(path) / LEDGER_FILE)
         if samples_digest and saved_digest and saved_digest != samples_digest:
-            raise RuntimeError(f"{path}: its ledger names samples of another samples file (sha256 {saved_digest[:12]}"
+            raise ValueError(f"{path}: its ledger names samples of another samples file (sha256 {saved_digest[:12]}"
                                f" there, {samples_digest[:12]} now): the training data changed under the run")
     log.info("resumed from %s at step %d", path, int(meta["step"]))
     return int(meta["step"]), Ledger(rows, samples_digest)
+
+
+def save_checkpoint(engine: Any, checkpointer: CheckpointManager, ledger: Ledger, cfg: RunConfig, step: int,
+                    rank: int, world: int, metrics: dict[str, float], num_samples: int) -> Path:
+    """Collective: checkpoint after `step` with the data position and the sample ledger of steps 1..step (every
+    rank's notes gathered on rank 0 and committed inside the checkpoint)."""
+    t = cfg.train
+    meta = {"data_position": {"next_batch_index": batch_index_for(step, 0, 0, t.grad_accum, world),
+                              "world_size": world, "grad_accum": t.grad_accum, "num_samples": num_samples,
+                              "samples_digest": ledger.samples_digest},
+            "config": cfg.to_dict(), "metrics": metrics, "engine": type(engine).__name__}
+    gathered = all_gather(ledger.pending)
+    if rank != 0:
+        ledger.drop_pending()
+        return checkpointer.save(engine, step, meta, rank, barrier)
+    rows = ledger.commit(gathered)
+    return checkpointer.save(engine, step, meta, rank, barrier,
+                             extra_files=lambda tmp: write_ledger(rows, tmp / LEDGER_FILE, ledger.samples_digest))
 
 
 @dataclass
@@ -127,17 +145,8 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                     bar.update(1)
             stop = stop_votes > 0 and step + 1 < t.max_steps
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == t.max_steps or stop or ckpt_votes > 0:
-                meta = {"data_position": {"next_batch_index": batch_index_for(step + 1, 0, 0, t.grad_accum, world),
-                                          "world_size": world, "grad_accum": t.grad_accum,
-                                          "num_samples": num_samples, "samples_digest": ledger.samples_digest},
-                        "config": cfg.to_dict(), "metrics": metrics, "engine": type(engine).__name__}
-                gathered = all_gather(ledger.pending)
-                rows = ledger.commit(gathered) if rank == 0 else ledger.drop_pending()
-
-                def write_rows(ckpt_dir: Path, rows=rows) -> None:
-                    write_ledger(rows, ckpt_dir / LEDGER_FILE, ledger.samples_digest)
-
-                path = checkpointer.save(engine, step + 1, meta, rank, barrier, extra_files=write_rows)
+                path = save_checkpoint(engine, checkpointer, ledger, cfg, step + 1, rank, world, metrics,
+                                       num_samples)
                 if rank == 0:
                     log.info("checkpoint %s", path)
             if stop:
