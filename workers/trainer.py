@@ -23,6 +23,7 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
 from workers.checkpoint import CheckpointManager, export_draft
+from workers.reshard import load_universal, universal_source
 from workers.train_loop import MicroBatch, barrier, fit, resume
 from workers.train_step import (
     DraftWithLoss,
@@ -34,9 +35,10 @@ from workers.train_step import (
 )
 
 
-def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, Any]:
     t = cfg.train
     return {
+        "checkpoint": {"load_universal": load_universal},  # a checkpoint of another world size (workers/reshard.py)
         "train_micro_batch_size_per_gpu": 1,  # one packed batch per micro-step; its size is set by data.*
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
@@ -53,7 +55,7 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig) -> Any:
+def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig, load_universal: bool = False) -> Any:
     """`module` under DeepSpeed with the run's optimizer groups, ZeRO stage and schedule (torch.distributed must be
     initialised). Under ZeRO-3 the sequential head's W2 is read by DraftWithLoss.forward, outside any forward of
     the head itself, so it is registered as the module's external parameter: gathered for the loss's forward
@@ -64,7 +66,8 @@ def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig) -> Any:
     if cfg.train.zero_stage == 3 and w2 is not None:
         deepspeed.zero.register_external_parameter(module, w2)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, cfg),
-                                      config=deepspeed_config(cfg), dist_init_required=not dist.is_initialized())
+                                      config=deepspeed_config(cfg, load_universal),
+                                      dist_init_required=not dist.is_initialized())
     return engine
 
 
@@ -109,9 +112,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     share_moe_load(draft)
     if cfg.train.compile:
         compile_draft(draft)
-    engine = deepspeed_engine(DraftWithLoss(draft, cfg.loss), cfg)
+    resume_from = loop_config.get("resume_from")
+    universal = universal_source(resume_from, cfg, rank, world)  # None unless the world size changed
+    engine = deepspeed_engine(DraftWithLoss(draft, cfg.loss), cfg, load_universal=universal is not None)
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
-    start_step = resume(engine, ckpts, loop_config.get("resume_from"), rank, log)
+    start_step = (resume(engine, ckpts, resume_from, rank, log) if universal is None
+                  else load_universal(engine, universal, resume_from, rank, log))
 
     sink, bar = NullSink(), None
     if rank == 0:
