@@ -63,7 +63,7 @@ def check_resume(cfg: RunConfig, meta: dict) -> None:
     saved = meta.get("config", {})
     now = cfg.to_dict()
     keys = [("draft", None), ("data", "samples_per_batch"), ("data", "seed"), ("data", "num_samples"),
-            ("data", "source"), ("train", "grad_accum"), ("cluster", "num_trainers"), ("target", "path")]
+            ("data", "source"), ("target", "path")]
     for section, key in keys:
         a = saved.get(section, {}) if key is None else saved.get(section, {}).get(key)
         b = now[section] if key is None else now[section][key]
@@ -74,6 +74,12 @@ def check_resume(cfg: RunConfig, meta: dict) -> None:
             name = section if key is None else f"{section}.{key}"
             raise InputError(f"cannot resume: {name} is {b!r} now but {a!r} in the checkpoint (the same model and "
                              "data order are needed; use a new --run-dir to start over)")
+    # the global batch (feature batches per step), not its split into trainers x grad_accum (workers/reshard.py)
+    a = saved.get("train", {}).get("grad_accum", 1) * saved.get("cluster", {}).get("num_trainers", 1)
+    b = cfg.train.grad_accum * cfg.cluster.num_trainers
+    if a != b:
+        raise InputError(f"cannot resume: train.grad_accum x cluster.num_trainers is {b} now but {a} in the "
+                         "checkpoint (the same global batch is needed; use a new --run-dir to start over)")
 
 
 def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
@@ -101,10 +107,16 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from ray.train.torch import TorchTrainer
 
     from workers.feature_service import FeatureService
+    from workers.reshard import adapt_to_checkpoint
     from workers.trainer import train_loop
 
     if resume_from is not None:
-        check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
+        meta = json.loads((resume_from / "meta.json").read_text())
+        try:  # another trainer count: keep the checkpoint's global batch (workers/reshard.py)
+            adapt_to_checkpoint(cfg, meta, log)
+        except ValueError as e:
+            raise InputError(str(e)) from e
+        check_resume(cfg, meta)
     target_path, samples = resolve_inputs(cfg, log)
 
     connect()
