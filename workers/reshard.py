@@ -74,11 +74,12 @@ def check_stage(cfg: RunConfig, meta: dict[str, Any]) -> None:
 
 
 def adapt_to_checkpoint(cfg: RunConfig, meta: dict[str, Any], log: logging.Logger) -> None:
-    """Driver side, before check_resume: set train.grad_accum so the global batch stays the checkpoint's."""
+    """Driver side, before check_resume: set train.grad_accum so the global batch stays the checkpoint's (a
+    grad_accum given on the command line is overridden: the global batch is what a resume must keep)."""
     check_stage(cfg, meta)
     ga = elastic_grad_accum(cfg, meta)
-    if ga != cfg.train.grad_accum:
-        r_old, a_old = saved_world(meta)
+    r_old, a_old = saved_world(meta)
+    if (r_old, a_old) != (cfg.cluster.num_trainers, ga) or ga != cfg.train.grad_accum:
         log.info("elastic resume: %d trainers x grad_accum %d (checkpoint: %d x %d, global batch %d)",
                  cfg.cluster.num_trainers, ga, r_old, a_old, r_old * a_old)
         cfg.train.grad_accum = ga
