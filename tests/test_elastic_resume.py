@@ -1,6 +1,6 @@
 """Elastic resume on real DeepSpeed ranks (gloo, CPU, fp32): a run checkpointed on 2 ranks x grad_accum 1 resumes on
 1 rank x grad_accum 2, that one resumes on 2 ranks again, and the losses of every step equal an uninterrupted 2-rank
-run; workers/reshard.py converts through DeepSpeed's universal checkpoint (ZeRO-1/2) or loads as is (ZeRO-0).
+run; workers/reshard.py converts through DeepSpeed's universal checkpoint (ZeRO-1/2/3) or loads as is (ZeRO-0).
 
 Run: python -m pytest tests/test_elastic_resume.py -q     (2-4 minutes on 2 cores; the slow ones: -m slow, ~15 min)
 """
