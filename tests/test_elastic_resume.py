@@ -243,3 +243,20 @@ def test_launch_two_to_one_to_two_trainers_on_one_run_dir(tmp_path):
     # the universal copy of the last checkpoint read across a world-size change, outside checkpoints/
     assert [p.name for p in (elastic / "reshard").iterdir()] == ["step_00000004"]
     assert json.loads((elastic / "reshard" / "step_00000004" / "source.json").read_text())["world_size"] == 1
+
+
+def test_launch_refuses_a_trainer_count_that_does_not_divide_the_global_batch(tmp_path):
+    """One line, exit status 2, before Ray starts: the driver checks the checkpoint's meta.json first."""
+    from launch_helpers import TINY_MOE, run_launch
+
+    step = tmp_path / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    cfg = _run_cfg()
+    cfg.cluster.num_trainers = 2
+    (step / "meta.json").write_text(json.dumps({**_meta(2, 1), "step": 2, "config": cfg.to_dict()}))
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
+    res = run_launch(["--run-dir", str(tmp_path), *TINY_MOE, "cluster.num_trainers=3"], timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: cannot resume on 3 trainers: the checkpoint's global batch is 2 feature batches per step "
+        "(2 trainers x grad_accum 1); use [1, 2] trainers")
