@@ -164,11 +164,17 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
 
     from workers.feature_service import FeatureService
     from workers.preemption import StoppedEarly, stop_on_signal
+    from workers.reshard import adapt_to_checkpoint
     from workers.run_control import RunControl
     from workers.trainer import train_loop
 
     if resume_from is not None:
-        check_resume(cfg, json.loads((resume_from / "meta.json").read_text()))
+        meta = json.loads((resume_from / "meta.json").read_text())
+        try:  # another trainer count: keep the checkpoint's global batch (workers/reshard.py)
+            adapt_to_checkpoint(cfg, meta, log)
+        except ValueError as e:
+            raise InputError(str(e)) from e
+        check_resume(cfg, meta)
     target_path, samples = resolve_inputs(cfg, log)
     run_dir = Path(cfg.checkpoint.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

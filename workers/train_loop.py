@@ -39,7 +39,7 @@ from workers.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
 from workers.preemption import Notice
 from workers.train_step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
 
-__all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume"]
+__all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume", "resume_ledger"]
 
 
 class StepBatches(Protocol):
@@ -66,21 +66,27 @@ def all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def resume(engine: Any, checkpointer: CheckpointManager, path: Path | None, rank: int, log: logging.Logger,
-           samples_digest: str = "") -> tuple[int, Ledger]:
-    """Restore the engine and this rank's RNG from checkpoint `path` (None: a fresh start); returns its step and
-    the sample ledger to continue (rank 0 holds the committed history; the others only add to it)."""
-    if path is None:
-        return 0, Ledger(samples_digest=samples_digest)
-    meta = checkpointer.load(engine, Path(path), rank)
+def resume_ledger(path: Path | None, rank: int, samples_digest: str) -> Ledger:
+    """The sample ledger to continue from checkpoint `path`: rank 0 holds the committed history, the others
+    only add to it."""
     rows: list = []
-    if rank == 0 and (Path(path) / LEDGER_FILE).is_file():
+    if path is not None and rank == 0 and (Path(path) / LEDGER_FILE).is_file():
         rows, saved_digest = read_ledger(Path(path) / LEDGER_FILE)
         if samples_digest and saved_digest and saved_digest != samples_digest:
             raise ValueError(f"{path}: its ledger names samples of another samples file (sha256 {saved_digest[:12]}"
-                               f" there, {samples_digest[:12]} now): the training data changed under the run")
+                             f" there, {samples_digest[:12]} now): the training data changed under the run")
+    return Ledger(rows, samples_digest)
+
+
+def resume(engine: Any, checkpointer: CheckpointManager, path: Path | None, rank: int, log: logging.Logger,
+           samples_digest: str = "") -> tuple[int, Ledger]:
+    """Restore the engine and this rank's RNG from checkpoint `path` (None: a fresh start); returns its step and
+    the sample ledger to continue."""
+    if path is None:
+        return 0, Ledger(samples_digest=samples_digest)
+    meta = checkpointer.load(engine, Path(path), rank)
     log.info("resumed from %s at step %d", path, int(meta["step"]))
-    return int(meta["step"]), Ledger(rows, samples_digest)
+    return int(meta["step"]), resume_ledger(path, rank, samples_digest)
 
 
 def save_checkpoint(engine: Any, checkpointer: CheckpointManager, ledger: Ledger, cfg: RunConfig, step: int,

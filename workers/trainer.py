@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import ray.train
@@ -24,8 +24,10 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
 from workers.checkpoint import CheckpointError, CheckpointManager, export_draft
+from workers.ledger import Ledger
+from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
-from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume
+from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
 from workers.train_step import (
     DraftWithLoss,
     compile_draft,
@@ -36,9 +38,10 @@ from workers.train_step import (
 )
 
 
-def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, Any]:
     t = cfg.train
     return {
+        "checkpoint": {"load_universal": load_universal},  # a checkpoint of another world size (workers/reshard.py)
         "train_micro_batch_size_per_gpu": 1,  # one packed batch per micro-step; its size is set by data.*
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
@@ -55,7 +58,7 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig) -> Any:
+def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig, load_universal: bool = False) -> Any:
     """`module` under DeepSpeed with the run's optimizer groups, ZeRO stage and schedule (torch.distributed must be
     initialised). Under ZeRO-3 the sequential head's W2 is read by DraftWithLoss.forward, outside any forward of
     the head itself, so it is registered as the module's external parameter: gathered for the loss's forward
@@ -66,8 +69,31 @@ def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig) -> Any:
     if cfg.train.zero_stage == 3 and w2 is not None:
         deepspeed.zero.register_external_parameter(module, w2)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, cfg),
-                                      config=deepspeed_config(cfg), dist_init_required=not dist.is_initialized())
+                                      config=deepspeed_config(cfg, load_universal),
+                                      dist_init_required=not dist.is_initialized())
     return engine
+
+
+class Resumed(NamedTuple):
+    engine: Any
+    start_step: int
+    ledger: Ledger
+    universal: Path | None  # the universal copy it was loaded through (another world size), or None
+
+
+def resumed_engine(module: DraftWithLoss, cfg: RunConfig, ckpts: CheckpointManager, resume_from: Path | None,
+                   rank: int, world: int, log: Any, samples_digest: str = "") -> Resumed:
+    """`module` under DeepSpeed, restored from checkpoint `resume_from` (None: a fresh start), with its step and
+    sample ledger. A checkpoint of another world size goes through DeepSpeed's universal checkpoint
+    (workers/reshard.py)."""
+    universal = universal_source(resume_from, cfg, rank, world)  # None unless the world size changed
+    engine = deepspeed_engine(module, cfg, load_universal=universal is not None)
+    if universal is None:
+        start_step, ledger = resume(engine, ckpts, resume_from, rank, log, samples_digest)
+    else:
+        start_step = load_universal(engine, universal, resume_from, rank, log)
+        ledger = resume_ledger(resume_from, rank, samples_digest)
+    return Resumed(engine, start_step, ledger, universal)
 
 
 class FeatureServiceBatches:
@@ -149,14 +175,14 @@ def _train(loop_config: dict[str, Any]) -> None:
     share_moe_load(draft)
     if cfg.train.compile:
         compile_draft(draft)
-    engine = deepspeed_engine(DraftWithLoss(draft, cfg.loss), cfg)
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
     # Every (re)start finds its own resume point: after a trainer failure Ray Train runs this function again,
     # and the checkpoint to continue from is the newest one committed so far, not the one the job started from.
-    # Rank 0 decides and tells the others, so that all ranks load the same one.
-    (resume_from,) = all_gather(str(ckpts.latest() or "") if rank == 0 else None)[:1]
-    start_step, ledger = resume(engine, ckpts, Path(resume_from) if resume_from else None, rank, log,
-                                loop_config["samples_digest"])
+    # Rank 0 decides (verifying it) and tells the others, so that all ranks load the same one.
+    (latest,) = all_gather(str(ckpts.latest() or "") if rank == 0 else None)[:1]
+    resume_from = Path(latest) if latest else None
+    engine, start_step, ledger, _ = resumed_engine(DraftWithLoss(draft, cfg.loss), cfg, ckpts, resume_from, rank,
+                                                   world, log, loop_config["samples_digest"])
 
     sink = NullSink()
     if rank == 0:
