@@ -12,7 +12,12 @@ dropped and a token's output never depends on other tokens (the block-isolation 
 
 Data parallelism: each replica sees only its local load. `load_reducer` (settable from workers/, e.g. an
 all-reduce) turns local counts into global ones so all replicas apply the same bias update; draft_model/ itself
-never imports torch.distributed. Note that activation recomputation would run the update twice per step.
+never imports torch.distributed. Trainers also call `defer_bias_update()`: the forwards of an optimizer step then
+only add up their (global) loads and `apply_bias_update()`, called once after the optimizer step, moves the bias
+from the load of the whole global batch (DeepSeek-V3 updates it "at the end of each step"). So the update does
+not depend on how that batch is split into ranks x micro-batches, and a resume on another number of trainers
+continues it exactly (workers/reshard.py). Without the call each training forward updates the bias, as above.
+Note that activation recomputation would count a forward's load twice.
 
 Legend: T tokens, D hidden, E routed experts, A top-k choices per token, I expert intermediate size,
 P = T*A (token, choice) pairs.
@@ -46,6 +51,22 @@ class MoE(nn.Module):
         # tokens routed to each expert by the last forward (metrics and tests); not checkpointed
         self.register_buffer("last_load_E", torch.zeros(E), persistent=False)
         self.load_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._step_load_E: torch.Tensor | None = None  # deferred mode: the load summed over this step's forwards
+        self._deferred = False
+
+    def defer_bias_update(self) -> None:
+        """Update the balance bias once per optimizer step (`apply_bias_update`), not after every forward."""
+        self._deferred = True
+
+    def apply_bias_update(self) -> None:
+        """Deferred mode: move the bias from the load of every training forward since the last call."""
+        if self._step_load_E is not None:
+            with torch.no_grad():
+                self._step(self._step_load_E)
+            self._step_load_E = None
+
+    def _step(self, load_E: torch.Tensor) -> None:
+        self.router_bias_E.add_(self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E))
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (expert_TA chosen experts, weight_TA their mixing weights, scores_TE all scores), fp32 scores."""
@@ -93,7 +114,10 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.last_load_E.copy_(load_E)
             if self.training and self.cfg.bias_update_rate > 0:
-                self.router_bias_E.add_(self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E))
+                if not self._deferred:
+                    self._step(load_E)
+                else:
+                    self._step_load_E = load_E.clone() if self._step_load_E is None else self._step_load_E + load_E
         return y_TD, self._aux_loss(scores_TE, load_E, T)
 
     def _aux_loss(self, scores_TE: torch.Tensor, load_E: torch.Tensor, T: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> di
     from pipeline.metrics import get_logger
     from workers.checkpoint import CheckpointManager
     from workers.train_loop import fit
-    from workers.train_step import DraftWithLoss, share_moe_load
+    from workers.train_step import DraftWithLoss, setup_moe_balance
     from workers.trainer import deepspeed_engine
 
     embed, head = frozen_weights()
@@ -92,7 +92,7 @@ def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> di
         cfg.train.zero_stage = stage
         torch.manual_seed(0)
         draft = build_draft(cfg.draft, embed, head)
-        share_moe_load(draft)
+        setup_moe_balance(draft)
         engine = deepspeed_engine(DraftWithLoss(draft, cfg.loss), cfg)
         sink = _ListSink()
         ckpts = CheckpointManager(f"{run_root}/zero{stage}", keep_last=1)
@@ -126,12 +126,12 @@ def _aux_step(rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
     micro-batches of step 0; returns the logged loss and the parameter update."""
     import deepspeed
 
-    from workers.train_step import DraftWithLoss, all_reduce_sum, optimizer_step, share_moe_load, step_metrics
+    from workers.train_step import DraftWithLoss, all_reduce_sum, optimizer_step, setup_moe_balance, step_metrics
 
     cfg = _run_cfg(aux_coef=0.5)
     torch.manual_seed(0)
     draft = build_draft(cfg.draft, *frozen_weights())
-    share_moe_load(draft)
+    setup_moe_balance(draft)
     module = DraftWithLoss(draft, cfg.loss)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1.0), config={

@@ -263,6 +263,27 @@ def test_moe_bias_is_frozen_in_eval_and_without_rate():
     assert torch.all(moe.router_bias_E == 0)
 
 
+def test_moe_deferred_bias_update_sees_the_whole_step_not_its_split():
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=4, top_k=1, expert_intermediate_size=16, bias_update_rate=0.01)
+    x = torch.randn(48, D)
+    one = MoE(D, cfg).train()
+    one.defer_bias_update()
+    two = MoE(D, cfg).train()
+    two.load_state_dict(one.state_dict())
+    two.defer_bias_update()
+    one(x)  # the step's batch in one forward ...
+    two(x[:20])  # ... or split in two micro-batches
+    two(x[20:])
+    assert torch.all(one.router_bias_E == 0) and torch.all(two.router_bias_E == 0)  # nothing moves before the step
+    one.apply_bias_update()
+    two.apply_bias_update()
+    assert one.router_bias_E.abs().sum() > 0
+    torch.testing.assert_close(one.router_bias_E, two.router_bias_E, rtol=0, atol=0)
+    two.apply_bias_update()  # a step without forwards changes nothing
+    torch.testing.assert_close(one.router_bias_E, two.router_bias_E, rtol=0, atol=0)
+
+
 def test_moe_load_reducer_sees_local_counts():
     moe = MoE(D, MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=16)).train()
     moe.load_reducer = lambda load: load * 3  # stand-in for an all-reduce over three identical replicas

@@ -35,7 +35,14 @@ from pipeline.order import batch_index_for, batch_sample_ids
 from workers.checkpoint import CheckpointManager, export_draft
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.train_loop import MicroBatch, fit, resume
-from workers.train_step import DraftWithLoss, compile_draft, export_meta, pack_micro_batch, param_groups
+from workers.train_step import (
+    DraftWithLoss,
+    compile_draft,
+    export_meta,
+    pack_micro_batch,
+    param_groups,
+    setup_moe_balance,
+)
 
 
 def warmup_cosine_ratio(iteration: int, total_steps: int, warmup_steps: int, cos_min_ratio: float) -> float:
@@ -180,6 +187,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     torch.manual_seed(cfg.train.seed)
     embed_VD, lm_head_VD = worker.embedding_weights()
     module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
+    setup_moe_balance(module.draft)
     if cfg.train.compile:
         compile_draft(module.draft)
     engine = TorchEngine(module, cfg)

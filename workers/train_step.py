@@ -74,8 +74,9 @@ def compile_draft(draft: nn.Module) -> int:
     return len(layers)
 
 
-def share_moe_load(draft: nn.Module) -> None:
-    """Make every data-parallel replica apply the same loss-free balance-bias update (from the global load)."""
+def setup_moe_balance(draft: nn.Module) -> None:
+    """Every trainer's MoE balance bias: updated once per optimizer step from the load of the whole global batch
+    (`optimizer_step` applies it), the same on every data-parallel replica (the load is all-reduced)."""
     from draft_model.moe import MoE
 
     def global_load(load_E: torch.Tensor) -> torch.Tensor:
@@ -83,10 +84,19 @@ def share_moe_load(draft: nn.Module) -> None:
         dist.all_reduce(load_E)
         return load_E
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for m in draft.modules():
-            if isinstance(m, MoE):
+    for m in draft.modules():
+        if isinstance(m, MoE):
+            m.defer_bias_update()
+            if dist.is_initialized() and dist.get_world_size() > 1:
                 m.load_reducer = global_load
+
+
+def apply_moe_balance(module: nn.Module) -> None:
+    from draft_model.moe import MoE
+
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.apply_bias_update()
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
@@ -149,6 +159,7 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
         for key, value in (("trained", int(n_N.sum())), ("wire", wire_bytes), ("useful", stats.useful_block_tokens),
                            ("computed", stats.computed_block_tokens), ("blocks", blocks)):
             acc[key] += value
+    apply_moe_balance(engine.module)  # once per optimizer step, from the whole global batch's load
     ce, tv, conf, aux, tau = device_sums.tolist() if device_sums is not None else [0.0] * 5
     return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": acc["trained"], "wire": acc["wire"],
             "useful": acc["useful"], "computed": acc["computed"], "tau_sum": tau, "blocks": acc["blocks"]}, global_w

@@ -34,7 +34,7 @@ from workers.train_step import (
     export_meta,
     pack_micro_batch,
     param_groups,
-    share_moe_load,
+    setup_moe_balance,
 )
 
 
@@ -172,7 +172,7 @@ def _train(loop_config: dict[str, Any]) -> None:
 
     embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
     draft = build_draft(cfg.draft, embed_VD, lm_head_VD)
-    share_moe_load(draft)
+    setup_moe_balance(draft)
     if cfg.train.compile:
         compile_draft(draft)
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
