@@ -1,9 +1,9 @@
 """Target groups on a real local Ray cluster (CPU, gloo): a TP = 2 group, and a TP = 2 + EP = 2 group, of tiny random
 Qwen3-MoE and DeepSeek-V3 targets capture the same features (context layers and the final pre-LM-head state) and
-embedding weights as the unsharded target; a group that loses a member (SIGKILL) is rebuilt whole and re-runs the
+embedding weights as the unsharded target; two groups serve alternate batches; a group that loses a member (SIGKILL) is rebuilt whole and re-runs the
 batch; the sharding checks and config validation reject group shapes the model or the cluster cannot take.
 
-Run: python -m pytest tests/test_target_group.py -q     (about 2 minutes on 2 cores)
+Run: python -m pytest tests/test_target_group.py -q     (about 4 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -105,6 +105,34 @@ def test_a_killed_member_restarts_its_whole_group_and_the_batch_is_rerun(local_r
     finally:
         ray.get(svc.shutdown.remote())
         ray.kill(svc)
+
+
+def test_two_groups_side_by_side_serve_alternate_batches(local_ray, tmp_path):
+    samples = _samples(12)
+    path = write_samples(samples, tmp_path / "samples.parquet")
+    svc = FeatureService.remote(str(path), {**_target("tiny-qwen3-moe"), "num_workers": 2}, LAYERS, 3, 7, 2)
+    ref_worker = TargetWorker(resolve_target_path("tiny-qwen3-moe"), LAYERS, wire_dtype="float32",
+                              max_tokens_per_forward=64)
+    try:
+        assert [len(g) for g in ray.get(svc.workers.remote())] == [2, 2]
+        for b in range(4):  # round robin: batches 0, 2 on group 0; 1, 3 on group 1
+            got = ray.get(ray.get(svc.get.remote(b))[0], timeout=180)
+            want = ref_worker.encode(b, [samples[i] for i in batch_sample_ids(b, 12, 3, 7)])
+            assert got.sample_ids == want.sample_ids
+            assert (got.final_hidden_TD - want.final_hidden_TD).abs().max().item() <= 1e-5
+    finally:
+        ray.get(svc.shutdown.remote())
+        ray.kill(svc)
+
+
+def test_single_process_refuses_a_group(tmp_path):
+    import logging
+
+    from workers.single_process import train_single_process
+
+    cfg = load_config(None, ["target.tp_size=2", f"checkpoint.run_dir={tmp_path}"])
+    with pytest.raises(InputError, match=r"^--single-process holds the whole target in this process: target.tp_size"):
+        train_single_process(cfg, logging.getLogger("test"), device="cpu")
 
 
 def _config(name: str):

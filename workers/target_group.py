@@ -100,6 +100,9 @@ class TargetGroupMember:
     def info(self) -> tuple[int, int, int]:
         return self._ready().info()  # shapes only: no collective, so rank 0 answers it alone
 
+    def param_bytes(self) -> int:
+        return self._ready().param_bytes()
+
     def embedding_weights(self):
         """Gathered from the shards (a collective: every member is called); rank 0 returns them."""
         worker = self._ready()

@@ -91,6 +91,11 @@ class TargetWorker:
         """(vocab_size, hidden_size, num_layers) of the target."""
         return target_dims(self.model)
 
+    def param_bytes(self) -> int:
+        """Bytes of the target's parameters this process holds: its own shards only, under tensor parallelism."""
+        local = (p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in local)
+
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embed_VD, lm_head_VD) on the CPU for the trainer; one tensor twice when the target ties them (the
         identity survives Ray's pickling of the returned tuple). Under tensor parallelism both are sharded
