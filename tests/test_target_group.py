@@ -1,7 +1,8 @@
 """Target groups on a real local Ray cluster (CPU, gloo): a TP = 2 group, and a TP = 2 + EP = 2 group, of tiny random
 Qwen3-MoE and DeepSeek-V3 targets capture the same features (context layers and the final pre-LM-head state) and
-embedding weights as the unsharded target; two groups serve alternate batches; a group that loses a member (SIGKILL) is rebuilt whole and re-runs the
-batch; the sharding checks and config validation reject group shapes the model or the cluster cannot take.
+embedding weights as the unsharded target; two groups serve alternate batches; a group that loses a member
+(SIGKILL) is rebuilt whole and re-runs the batch; the sharding checks and config validation reject group shapes the
+model or the cluster cannot take.
 
 Run: python -m pytest tests/test_target_group.py -q     (about 4 minutes on 2 cores)
 """
