@@ -77,7 +77,7 @@ def connect_ray(cfg) -> None:
         ray.init(address=address, runtime_env=runtime_env)
         return
     t, c = cfg.target, cfg.cluster
-    needed = t.num_workers * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
+    needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
     num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
     # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
     # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.

@@ -35,10 +35,18 @@ class TargetConfig:
     path: str = "smollm2"
     dtype: str = "float32"  # compute dtype of the target forward
     wire_dtype: str = "bfloat16"  # dtype of hidden states in the object store
-    num_workers: int = 1
+    num_workers: int = 1  # target workers (groups when tp_size > 1) running side by side: data parallel
+    # > 1: each target worker is a group of tp_size processes on one node, the target sharded over them by
+    # transformers' tensor parallelism (workers/target_group.py); cpus/gpus/resources_per_worker are then per process
+    tp_size: int = 1
+    # with tp_size > 1: give each process whole experts (transformers' expert-parallel plan) instead of a slice of
+    # every expert; attention and dense layers stay tensor-parallel. Needs a model whose config has an EP plan
+    expert_parallel: bool = False
     cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0  # > 1 with device_map="auto" spreads one large target over several GPUs
-    device_map: str = ""  # "" = single device; "auto" = let accelerate place a target spanning several GPUs
+    # per target process. tp_size > 1: 0 (CPU, gloo) or 1 (one GPU per rank, NCCL). tp_size = 1: > 1 spreads the
+    # target's layers over several GPUs with device_map="auto" (one GPU at a time runs: no tensor parallelism)
+    gpus_per_worker: float = 0.0
+    device_map: str = ""  # tp_size = 1 only: "" = single device; "auto" = accelerate places a target over its GPUs
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
     max_tokens_per_forward: int = 8192
     # a target worker that dies (OOM, lost node, preempted pod) is restarted by Ray up to this many times (-1 =
@@ -131,6 +139,13 @@ class RunConfig:
             (self.target.dtype in _DTYPES, f"target.dtype must be one of {sorted(_DTYPES)}"),
             (self.target.wire_dtype in _DTYPES, f"target.wire_dtype must be one of {sorted(_DTYPES)}"),
             (self.target.num_workers >= 1, "target.num_workers must be >= 1"),
+            (self.target.tp_size >= 1, "target.tp_size must be >= 1"),
+            (not self.target.expert_parallel or self.target.tp_size > 1,
+             "target.expert_parallel needs target.tp_size > 1 (the experts are split over the group)"),
+            (self.target.tp_size == 1 or self.target.gpus_per_worker in (0, 1),
+             "target.gpus_per_worker must be 0 (CPU) or 1 (one GPU per rank) when target.tp_size > 1"),
+            (self.target.tp_size == 1 or not self.target.device_map,
+             "target.device_map must be empty when target.tp_size > 1 (transformers places the shards itself)"),
             (self.target.max_restarts >= -1, "target.max_restarts must be >= 0, or -1 for no limit"),
             (self.target.batch_timeout_s > 0, "target.batch_timeout_s must be > 0"),
             (self.cluster.max_failures >= -1, "cluster.max_failures must be >= 0, or -1 for no limit"),

@@ -41,12 +41,14 @@ def _freeze(model: nn.Module) -> nn.Module:
 
 
 def load_target(path_or_name: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                device_map: str | dict | None = None):
+                device_map: str | dict | None = None, distributed_config=None):
     """Load a frozen causal LM and its tokenizer: (model, tokenizer).
 
     Accepts a local directory with config.json + safetensors weights + tokenizer files, a `.gguf` file (or a
     directory holding exactly one), or a model name already in the local Hugging Face cache (never downloads).
-    `device_map` goes to `from_pretrained` unchanged, so a target spread over several GPUs loads the same way.
+    `device_map` goes to `from_pretrained` unchanged, so a target spread over several GPUs loads the same way;
+    so does `distributed_config` (pipeline/target_sharding.py: tensor/expert parallelism over an initialised
+    torch.distributed group, each rank loading only its shards).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,6 +56,8 @@ def load_target(path_or_name: str | os.PathLike, dtype: torch.dtype = torch.floa
     kwargs: dict = {"dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if distributed_config is not None:
+        kwargs["distributed_config"] = distributed_config
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"target {path} is a file but not a .gguf file; give a .gguf file or a directory "

@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-# ../shared/schemas/kuberay beside the repository (tests/ -> repo -> its parent).
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "kuberay"
+# Vendored into the repository (tests/schemas/kuberay/README.md says where they come from).
+SCHEMA_DIR = Path(__file__).resolve().parent / "schemas" / "kuberay"
 CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
 # ObjectMeta fields a manifest may write; the CRDs leave top-level `metadata` as an open object.
 OBJECT_META_KEYS = {"name", "namespace", "generateName", "labels", "annotations"}

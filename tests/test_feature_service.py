@@ -33,9 +33,9 @@ def _samples(n: int) -> list[TokenizedSample]:
 
 def _service(samples, tmp_path, max_in_flight: int, replay: int = 0):
     target = {"resolved_path": str(resolve_target_path("tiny-qwen3-moe")), "dtype": "float32",
-              "wire_dtype": "bfloat16", "num_workers": 1, "cpus_per_worker": 1.0, "gpus_per_worker": 0.0,
-              "device_map": "", "resources_per_worker": {}, "max_tokens_per_forward": 512, "max_restarts": 2,
-              "batch_timeout_s": 60.0}
+              "wire_dtype": "bfloat16", "num_workers": 1, "tp_size": 1, "expert_parallel": False,
+              "cpus_per_worker": 1.0, "gpus_per_worker": 0.0, "device_map": "",
+              "resources_per_worker": {}, "max_tokens_per_forward": 512, "max_restarts": 2, "batch_timeout_s": 60.0}
     path = write_samples(samples, tmp_path / "samples.parquet")
     return FeatureService.remote(str(path), target, [1, -1], 3, 7, max_in_flight, replay)
 

@@ -2,7 +2,7 @@
 
 Run:  python -m pytest tests/test_k8s.py -q          (add `-m slow` for the submitter-script test on a local Ray head)
 
-KubeRay kinds (RayJob, RayCluster) are checked against the operator's CRD schemas in ../shared/schemas/kuberay/
+KubeRay kinds (RayJob, RayCluster) are checked against the operator's CRD schemas vendored in tests/schemas/kuberay/
 (the `v1` openAPIV3Schema) twice: with `jsonschema` for types and required fields, and with a key walker
 (tests/k8s_schema.py), because a JSON-schema validator accepts keys the schema does not list while the API server
 prunes them: a misspelled optional field (`shutdownAfterJobFinish`) would silently fall back to its default. The
@@ -68,13 +68,12 @@ def _claim(name: str) -> dict[str, Any]:
 
 
 def _crd_schema(kind: str) -> dict[str, Any]:
-    if not SCHEMA_DIR.is_dir():
-        pytest.skip(f"KubeRay CRD schemas not found at {SCHEMA_DIR} (the shared/ folder beside the repo)")
+    assert SCHEMA_DIR.is_dir(), f"the vendored KubeRay CRD schemas are missing from {SCHEMA_DIR}"
     return read_crd_schema(kind)
 
 
 def _check(doc: dict[str, Any]) -> list[str]:
-    _crd_schema(doc["kind"])  # skips when the schemas are absent
+    _crd_schema(doc["kind"])
     return check_crd_document(doc)
 
 
@@ -241,8 +240,9 @@ def test_gpu_groups_and_ray_placement_resources() -> None:
     for group in groups.values():
         assert _gpus(group["template"]) > 0
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    # One target actor owns all GPUs of its pod; one trainer rank per GPU.
-    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": 1}
+    # One target group member per GPU of its pod (a group fills a pod); one trainer rank per GPU.
+    target_gpus = _gpus(groups["target-workers"]["template"])
+    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": target_gpus}
     assert _ray_custom_resources(groups["trainers"]) == {"trainer": _gpus(groups["trainers"]["template"])}
 
 
@@ -284,12 +284,13 @@ def test_cluster_shape_matches_the_launched_config(monkeypatch: pytest.MonkeyPat
     spec = _only("RayJob")["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     target, trainers = groups["target-workers"], groups["trainers"]
-    # One target actor per target pod, holding all of the pod's GPUs and one unit of its custom resource.
+    # One target group per target pod: tp_size members, each with its GPU, CPUs and unit of custom resource (the
+    # group's STRICT_PACK placement group needs all of them on one node).
     t = cfg.target
     assert target["replicas"] == t.num_workers
-    assert _gpus(target["template"]) == t.gpus_per_worker
-    assert _ray_custom_resources(target) == t.resources_per_worker
-    assert _cpus(target["template"]) >= t.cpus_per_worker
+    assert _gpus(target["template"]) == t.tp_size * t.gpus_per_worker
+    assert _ray_custom_resources(target) == {k: v * t.tp_size for k, v in t.resources_per_worker.items()}
+    assert _cpus(target["template"]) >= t.cpus_per_worker * t.tp_size
     # One trainer rank per GPU, each asking for its custom resources and CPUs.
     c = cfg.cluster
     assert c.use_gpu and trainers["replicas"] * _gpus(trainers["template"]) == c.num_trainers

@@ -9,6 +9,8 @@ Faults. A batch is a pure function of its index (its samples come from pipeline/
 run's samples file), so every recovery is a re-run, never a replay of a queue:
 - a target worker that dies is restarted by Ray (`target.max_restarts`) and the encode calls it had in flight are
   re-run on the restarted worker (`max_task_retries`); a trainer waiting on such a batch simply waits longer;
+- a target group (target.tp_size > 1, workers/target_group.py) that loses a member is restarted whole on the next
+  call it gets; its calls in flight fail, and their trainers ask for those batches again (the next point);
 - `get` is idempotent: a batch asked for again (a trainer group restarted from a checkpoint, or a trainer whose
   reference was lost) is produced again, and the prefetch window restarts from it;
 - the service itself restarts with its constructor arguments, which name the samples file instead of holding
@@ -24,6 +26,7 @@ import ray
 
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore
+from workers.target_group import TargetGroup
 
 
 def target_worker_options(target: dict[str, Any]) -> dict[str, Any]:
@@ -51,11 +54,13 @@ class FeatureService:
         # one GPU: the whole target on it; several: accelerate spreads its layers (device_map), invisible here
         placement = {"device_map": target["device_map"] or "auto"} if gpus > 1 else {
             "device": "cuda" if gpus > 0 else "cpu"}
+        # tp_size > 1: each "worker" is a TargetGroup, called through the same .encode.remote(...) interface
         self._workers = [
+            TargetGroup(i, target, layers) if target["tp_size"] > 1 else
             actor_cls.options(**target_worker_options(target)).remote(
                 target["resolved_path"], layers, compute_dtype=target["dtype"], wire_dtype=target["wire_dtype"],
                 max_tokens_per_forward=target["max_tokens_per_forward"], **placement)
-            for _ in range(target["num_workers"])
+            for i in range(target["num_workers"])
         ]
         self._lock = threading.Lock()
         self._launched: dict[int, ray.ObjectRef] = {}
@@ -112,8 +117,8 @@ class FeatureService:
         self._launched[b] = worker.encode.remote(b, self._samples.take(ids))
 
     def workers(self) -> list[Any]:
-        """The target workers' handles (operators and fault tests)."""
-        return list(self._workers)
+        """The target workers' handles (operators and fault tests); a target group's as the list of its members."""
+        return [w.members() if isinstance(w, TargetGroup) else w for w in self._workers]
 
     def in_flight(self) -> int:
         with self._lock:
@@ -126,4 +131,4 @@ class FeatureService:
 
     def shutdown(self) -> None:
         for w in self._workers:
-            ray.kill(w, no_restart=True)
+            w.kill() if isinstance(w, TargetGroup) else ray.kill(w, no_restart=True)

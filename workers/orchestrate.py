@@ -30,12 +30,35 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
         return  # a .gguf target: the target worker reports its dimensions once loaded
     from transformers import AutoConfig
 
+    from pipeline.target_sharding import check_sharding
+
     tc = AutoConfig.from_pretrained(str(target_path))
     tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
     try:
         cfg.draft.check_target(int(tc.vocab_size), int(tc.hidden_size), int(tc.num_hidden_layers))
+        check_sharding(tc, cfg.target.tp_size, cfg.target.expert_parallel)
     except ValueError as e:
         raise InputError(str(e)) from e
+
+
+def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
+    """InputError (one line) when the connected cluster cannot hold the target groups and trainers the config asks
+    for: in total, and each group on one node (its placement group is STRICT_PACK). `nodes` holds each live node's
+    total resources (ray.nodes()'s "Resources"). A cluster that grows (an autoscaler) is not foreseen here."""
+    t, c = cfg.target, cfg.cluster
+    group = {"GPU": t.tp_size * t.gpus_per_worker, "CPU": t.tp_size * t.cpus_per_worker}
+    trainers = {"GPU": c.num_trainers * (1.0 if c.use_gpu else 0.0), "CPU": c.num_trainers * c.cpus_per_trainer}
+    shape = f"target.num_workers={t.num_workers} x target.tp_size={t.tp_size}"
+    for kind, per in (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker")):
+        have = sum(n.get(kind, 0.0) for n in nodes)
+        need = t.num_workers * group[kind] + trainers[kind]
+        if need > have + 1e-9:
+            raise InputError(f"the run needs {need:g} {kind}s ({shape} x target.{per}={getattr(t, per):g}, plus "
+                             f"{trainers[kind]:g} for {c.num_trainers} trainer(s)) but the Ray cluster has {have:g}")
+        biggest = max((n.get(kind, 0.0) for n in nodes), default=0.0)
+        if t.tp_size > 1 and group[kind] > biggest + 1e-9:
+            raise InputError(f"a target group needs {group[kind]:g} {kind}s on one node (target.tp_size={t.tp_size} "
+                             f"x target.{per}={getattr(t, per):g}) but the largest node has {biggest:g}")
 
 
 def load_samples(cfg: RunConfig, target_path: Path) -> list:
@@ -76,6 +99,8 @@ RESUMABLE_CHANGES = (
     "target.max_restarts", "target.batch_timeout_s",  # how failures are retried and waited for
     "target.num_workers", "target.cpus_per_worker", "target.gpus_per_worker", "target.resources_per_worker",
     "target.device_map", "target.max_tokens_per_forward",  # placement and forward chunking: same features
+    # sharding: the same features to ~1e-6 in fp32 (tests/test_target_group.py), not bit for bit
+    "target.tp_size", "target.expert_parallel",
     "data.max_in_flight",  # the prefetch bound, not the order
     "loss.chunk_rows",  # the same sum over other chunks: memory and speed only
     "draft.attn_impl",  # packed and gather agree to 1e-5 (tests/test_attention_paths.py)
@@ -185,6 +210,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     del samples  # the feature service reads them back by id; the driver need not hold the dataset
 
     connect()
+    check_cluster_fits(cfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     control = RunControl.remote()
     target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
     service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(

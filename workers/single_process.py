@@ -168,6 +168,9 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     if cfg.train.precision == "bf16" and not on_gpu:
         raise InputError("train.precision=bf16 (autocast) on a CPU is 30-70x slower than fp32 on CPUs without "
                          "AMX: set train.precision=fp32, or run on a GPU")
+    if cfg.target.tp_size > 1:
+        raise InputError(f"--single-process holds the whole target in this process: target.tp_size must be 1, "
+                         f"got {cfg.target.tp_size} (target groups need the Ray pipeline)")
     if resume_from is not None:
         check_resume(cfg, json.loads((Path(resume_from) / "meta.json").read_text()))
     run_dir = Path(cfg.checkpoint.run_dir)

@@ -2,7 +2,8 @@
 
 `TargetWorker` is a plain class (tested without Ray, used in-process by workers/single_process.py);
 `start_target_actor` places it as a Ray actor with the GPUs/CPUs it needs. A target spread over several GPUs is
-loaded with a `device_map` inside the worker; callers only see FeatureBatches.
+loaded with a `device_map` inside the worker, or sharded over a target group (workers/target_group.py: one
+TargetWorker per group member, built with a transformers `distributed` config); callers only see FeatureBatches.
 
 Legend (shape suffixes):
   S  sequences in the request    B  sequences in one forward micro-batch    L  padded length of the micro-batch
@@ -56,17 +57,26 @@ def plan_micro_batches(lengths: list[int], max_tokens_per_forward: int) -> list[
     return groups
 
 
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter as one plain tensor: a tensor-parallel DTensor is gathered from its shards."""
+    weight = weight.detach()
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
 class TargetWorker:
     def __init__(self, target_path: str | os.PathLike, layers: list[int], compute_dtype: torch.dtype | str = "float32",
                  wire_dtype: torch.dtype | str = "bfloat16", device: str | None = None,
-                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192):
+                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192, distributed=None):
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
-        if device is not None and device_map is not None:
-            raise ValueError("give the target worker either a device or a device_map, not both")
+        if sum(x is not None for x in (device, device_map, distributed)) > 1:
+            raise ValueError("give the target worker one of a device, a device_map or a distributed config")
         self.compute_dtype, self.wire_dtype = as_dtype(compute_dtype), as_dtype(wire_dtype)
-        self.model, self.tokenizer = load_target(target_path, dtype=self.compute_dtype, device_map=device_map)
-        if device_map is None:
+        # distributed: a transformers DistributedConfig; torch.distributed is initialised and each rank loads its
+        # shards onto its own device (the group member bound it), so nothing is moved here
+        self.model, self.tokenizer = load_target(target_path, dtype=self.compute_dtype, device_map=device_map,
+                                                 distributed_config=distributed)
+        if device_map is None and distributed is None:
             self.model.to(device or "cpu")
         self.input_device = self.model.get_input_embeddings().weight.device
         self.layers = list(layers)
@@ -81,12 +91,18 @@ class TargetWorker:
         """(vocab_size, hidden_size, num_layers) of the target."""
         return target_dims(self.model)
 
+    def param_bytes(self) -> int:
+        """Bytes of the target's parameters this process holds: its own shards only, under tensor parallelism."""
+        local = (p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in local)
+
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embed_VD, lm_head_VD) on the CPU for the trainer; one tensor twice when the target ties them (the
-        identity survives Ray's pickling of the returned tuple)."""
+        identity survives Ray's pickling of the returned tuple). Under tensor parallelism both are sharded
+        DTensors: gathering them is a collective, so every member of a group calls this together."""
         embed, head = embedding_weights(self.model)
-        embed_cpu = embed.detach().cpu()
-        return embed_cpu, (embed_cpu if head is embed else head.detach().cpu())
+        embed_cpu = _whole(embed).cpu()
+        return embed_cpu, (embed_cpu if head is embed else _whole(head).cpu())
 
     def generate(self, prompts: list[list[int]], params, seed: int) -> list:
         """The target's replies to rendered prompts (the data stage's regeneration; see pipeline/regenerate.py):

@@ -1,0 +1,232 @@
+"""Target groups: one frozen target sharded over `target.tp_size` Ray actors by transformers' tensor (and expert)
+parallelism, seen by the feature service exactly as one target worker.
+
+    FeatureService ──encode(b, samples)──> TargetGroup (in the service's process: no actor, no data)
+                                             ├─> member 0 (rank 0) ─ FeatureBatch ──> the trainer, via its ref
+                                             ├─> member 1 (rank 1) ─ None
+                                             └─> ...       one torch.distributed group: gloo on CPU, NCCL on GPU
+
+- Placement: one Ray placement group per group, STRICT_PACK (every member on one node: the collectives of every
+  layer stay on NVLink/shared memory), one bundle per member with its CPUs, GPU and custom resources.
+- Rendezvous: member 0 picks MASTER_ADDR (its node's IP) and a free MASTER_PORT; the members' `setup` calls take
+  that answer as a Ray argument, so a group forms without the service waiting on it (later calls queue behind
+  `setup` on each member: Ray runs one caller's calls to an actor in order).
+- Every member runs the same forward on the same samples (one object-store copy, read by all). Under tensor
+  parallelism the residual stream is replicated (row-parallel outputs are all-reduced inside each layer), so rank 0
+  already holds the whole features: it alone encodes and returns the FeatureBatch, the others return None.
+- Calls that reach every member (encode, embedding_weights) are submitted under one lock, so every member sees
+  them in the same order and their collectives pair up.
+
+Faults. A member alone is useless: its peers block in, or fail out of, the next collective. So a member that fails
+inside a forward or a collective exits its process (an error about the input, a ValueError, is raised normally:
+every member raises it alike), the refs of all its calls fail with RayActorError, and the trainer asks the feature
+service for the batch again (workers/trainer.py); the group notices the dead member on that next call, kills the
+rest, starts a whole new group in the same placement group and runs the batch there. Batches are pure functions of
+their index, so the re-run is exact. At most `target.max_restarts` group restarts (-1 = without limit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+# Errors a member raises as a task error, keeping its process: bad input or a target that cannot be loaded (the
+# same on every member, so a restart would not help). Anything else inside a forward or a collective ends it.
+_INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError)
+
+
+class TargetGroupMember:
+    """One rank of a target group: a TargetWorker holding this rank's shards of the target."""
+
+    def __init__(self) -> None:
+        self.rank = -1
+        self._worker = None
+        self._setup_error: BaseException | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(MASTER_ADDR, MASTER_PORT) for the group, asked of rank 0: its node's address and a port free there."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, address: tuple[str, int], rank: int, world: int, backend: str, target_path: str,
+              layers: list[int], options: dict[str, Any], expert_parallel: bool, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from pipeline.target_sharding import distributed_config
+        from workers.target_worker import TargetWorker
+
+        self.rank = rank
+        # Ray gives a GPU member exactly one visible GPU, so its local device is always index 0.
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": address[0], "MASTER_PORT": str(address[1])})
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(0)
+            # a collective still waiting after a whole batch's time means a lost peer: fail rather than hang
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            self._worker = TargetWorker(target_path, layers, distributed=distributed_config(world, expert_parallel),
+                                        **options)
+        except _INPUT_ERRORS as e:
+            self._setup_error = e
+        except BaseException as e:  # a peer lost while forming the group, or loading failed mid-collective
+            self._die(f"setup failed: {type(e).__name__}: {e}")
+
+    def _ready(self):
+        if self._setup_error is not None:
+            raise self._setup_error
+        assert self._worker is not None, "setup has not run"
+        return self._worker
+
+    def _die(self, why: str) -> None:
+        log.error("target group member rank %d exits: %s", self.rank, why)
+        print(f"target group member rank {self.rank} exits: {why}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def info(self) -> tuple[int, int, int]:
+        return self._ready().info()  # shapes only: no collective, so rank 0 answers it alone
+
+    def param_bytes(self) -> int:
+        return self._ready().param_bytes()
+
+    def embedding_weights(self):
+        """Gathered from the shards (a collective: every member is called); rank 0 returns them."""
+        worker = self._ready()
+        try:
+            weights = worker.embedding_weights()
+        except _INPUT_ERRORS:
+            raise
+        except Exception as e:
+            self._die(f"embedding_weights: {type(e).__name__}: {e}")
+        return weights if self.rank == 0 else None
+
+    def encode(self, batch_index: int, samples: list) -> tuple[Any, None]:
+        """(FeatureBatch on rank 0 / None elsewhere, a small done token the group polls for dead members)."""
+        worker = self._ready()
+        try:
+            batch = worker.encode(batch_index, samples)
+        except _INPUT_ERRORS:
+            raise
+        except Exception as e:
+            self._die(f"batch {batch_index}: {type(e).__name__}: {e}")
+        return (batch if self.rank == 0 else None), None
+
+
+class _Method:
+    """`.remote(...)` like an actor method's, so the feature service calls a group as it calls one worker."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class TargetGroup:
+    """`target["tp_size"]` members in one placement group, restarted as a whole when one dies."""
+
+    def __init__(self, index: int, target: dict[str, Any], layers: list[int]) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.index, self.size = index, int(target["tp_size"])
+        self._target, self._layers = target, list(layers)
+        gpus = float(target["gpus_per_worker"])
+        self._bundle = {"CPU": float(target["cpus_per_worker"]), **({"GPU": gpus} if gpus else {}),
+                        **(target["resources_per_worker"] or {})}
+        self._pg = placement_group([dict(self._bundle) for _ in range(self.size)], strategy="STRICT_PACK")
+        self._lock = threading.Lock()
+        self.restarts = 0
+        self._members: list[Any] = []
+        self._tokens: list[ray.ObjectRef] = []  # refs of the calls in flight, polled for a dead member
+        self._start()
+        self.encode = _Method(self._encode)
+        self.embedding_weights = _Method(self._embedding_weights)
+        self.info = _Method(lambda: self._members[0].info.remote())
+
+    def _start(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        t = self._target
+        actor = ray.remote(TargetGroupMember)
+        self._members = [
+            actor.options(num_cpus=self._bundle["CPU"], num_gpus=self._bundle.get("GPU", 0),
+                          resources=t["resources_per_worker"] or None, max_restarts=0, max_task_retries=0,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self._pg, placement_group_bundle_index=rank)).remote()
+            for rank in range(self.size)
+        ]
+        address = self._members[0].rendezvous.remote()
+        options = {"compute_dtype": t["dtype"], "wire_dtype": t["wire_dtype"],
+                   "max_tokens_per_forward": t["max_tokens_per_forward"]}
+        backend = "nccl" if self._bundle.get("GPU") else "gloo"
+        self._tokens = [m.setup.remote(address, rank, self.size, backend, t["resolved_path"], self._layers, options,
+                                       bool(t["expert_parallel"]), float(t["batch_timeout_s"]))
+                        for rank, m in enumerate(self._members)]
+
+    def _lost_member(self) -> bool:
+        """Whether a call in flight failed because its member died (polled without waiting)."""
+        if not self._tokens:
+            return False
+        ready, self._tokens = ray.wait(self._tokens, num_returns=len(self._tokens), timeout=0, fetch_local=False)
+        lost = False
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                lost = True
+            except Exception:  # noqa: BLE001 - an error about the input: the group itself is fine
+                pass
+        return lost
+
+    def _restart_if_lost(self) -> None:
+        if not self._lost_member():
+            return
+        limit = int(self._target["max_restarts"])
+        if limit != -1 and self.restarts >= limit:
+            raise RuntimeError(f"target group {self.index} lost a member again after {self.restarts} restarts "
+                               f"(target.max_restarts={limit}); see its members' logs")
+        self.restarts += 1
+        log.warning("target group %d lost a member: restarting all %d members (restart %d)", self.index, self.size,
+                    self.restarts)
+        for m in self._members:
+            ray.kill(m, no_restart=True)
+        self._start()
+
+    def _encode(self, batch_index: int, samples: list) -> ray.ObjectRef:
+        with self._lock:
+            self._restart_if_lost()
+            shared = ray.put(samples)  # one copy in the object store, read by every member
+            outs = [m.encode.options(num_returns=2).remote(batch_index, shared) for m in self._members]
+            self._tokens += [done for _, done in outs]
+            return outs[0][0]
+
+    def _embedding_weights(self) -> ray.ObjectRef:
+        with self._lock:
+            self._restart_if_lost()
+            refs = [m.embedding_weights.remote() for m in self._members]
+            self._tokens += refs[1:]  # rank 0's holds the weights: not polled (it would be fetched here)
+            return refs[0]
+
+    def members(self) -> list[Any]:
+        """The members' actor handles, rank order (operators and fault tests)."""
+        with self._lock:
+            return list(self._members)
+
+    def kill(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            for m in self._members:
+                ray.kill(m, no_restart=True)
+            remove_placement_group(self._pg)
