@@ -2,7 +2,7 @@
 2 trainers, tiny random Qwen3-MoE target): a target worker and a trainer killed mid-run, and a SIGTERM then a
 resume, each against an unfaulted run with the same seed; a failure a restart would only repeat is reported once.
 
-Run: python -m pytest tests/test_faults.py -q     (about 5 minutes on 2 cores)
+Run: python -m pytest tests/test_faults.py -q     (about 5 minutes on 2 cores; -m slow adds the fatal-error test)
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_resume_continues_the_curve(hea
     assert audit_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}").exactly_once
 
 
+@pytest.mark.slow
 def test_a_failure_a_restart_would_repeat_is_reported_once_not_retried(head, tmp_path):
     run_dir = tmp_path / "fatal"
     # a batch timeout no target can meet: deterministic, so restarting the trainer group would only repeat it
