@@ -84,6 +84,12 @@ class LoopbackHead:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
+        # `ray start` wrote this head's address to /tmp/ray/ray_current_cluster, where Ray's address "auto" looks
+        # first; left behind, it sends later local clusters' Ray Train placement-group cleaner to a dead GCS (a
+        # traceback mid-run). Remove it if it still names this head.
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.is_file() and current.read_text().strip() == self.address:
+            current.unlink(missing_ok=True)
 
 
 def _port_open(port: int) -> bool:
