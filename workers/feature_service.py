@@ -130,5 +130,12 @@ class FeatureService:
             return {"reissued": self._reissued, "low": self._low}
 
     def shutdown(self) -> None:
+        # prefetched batches nobody will ask for: cancel the queued ones and give a running one a moment, so that
+        # killing its worker is not logged as a task failure to retry
+        pending = list(self._launched.values())
+        for ref in pending:
+            ray.cancel(ref)
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=5.0)
         for w in self._workers:
             w.kill() if isinstance(w, TargetGroup) else ray.kill(w, no_restart=True)
