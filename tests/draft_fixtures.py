@@ -76,3 +76,16 @@ def fit_fixed_batch(model, loss_fn, steps: int = 300, lr: float = 1e-2) -> list[
         if losses[-1] < losses[0] / 8:
             break
     return losses
+
+
+def greedy_target_batch(batch: BlockBatch, lm_head_VD: torch.Tensor, scale: float = 8.0) -> BlockBatch:
+    """`batch` with tokens a greedy target would emit, x_{j+1} = argmax LM_head(final_hidden_j) (the first token of
+    each sequence kept), and final hidden states scaled by `scale` to sharpen p_t: so p_t is learnable."""
+    final = batch.final_hidden_TD * scale
+    ids = batch.input_ids_T.clone()
+    nxt = (final @ lm_head_VD.t()).argmax(-1)
+    first = set(batch.seq_start_S1[:-1].tolist())
+    for t in range(1, ids.shape[0]):
+        if t not in first:
+            ids[t] = nxt[t - 1]
+    return replace(batch, input_ids_T=ids, final_hidden_TD=final)

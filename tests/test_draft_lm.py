@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, make_batch, tiny
+from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, greedy_target_batch, make_batch, tiny
 
 from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
@@ -154,15 +154,8 @@ def test_evaluator_block_batch_gives_the_same_chain():
 def test_trains_with_the_dspark_loss():
     """Overfits a fixed batch whose tokens a greedy target would emit (so p_t is learnable), loss / 5."""
     model = _model().train()
-    batch = _batch(seq_lens=[24, 20], blocks=[(0, 2), (0, 8), (0, 14), (1, 3), (1, 10)])
-    final = batch.final_hidden_TD * 8
-    ids = batch.input_ids_T.clone()
-    nxt = (final @ model.lm_head_weight().t()).argmax(-1)
-    first = set(batch.seq_start_S1[:-1].tolist())
-    for t in range(1, ids.shape[0]):
-        if t not in first:
-            ids[t] = nxt[t - 1]
-    batch = replace(batch, input_ids_T=ids, final_hidden_TD=final)
+    batch = greedy_target_batch(_batch(seq_lens=[24, 20], blocks=[(0, 2), (0, 8), (0, 14), (1, 3), (1, 10)]),
+                                model.lm_head_weight())
     losses = fit_fixed_batch(model, lambda: draft_loss(model, batch, LossConfig()).total())
     assert losses[-1] < losses[0] / 5, f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, make_batch, tiny
+from draft_fixtures import D, V, fit_fixed_batch, frozen_weights, greedy_target_batch, make_batch, tiny
 
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig, LossConfig
@@ -230,14 +230,7 @@ def test_unrolled_steps_match_a_plain_causal_reference():
 def _greedy_target_batch(model: Eagle3Draft) -> BlockBatch:
     """Tokens a greedy target would emit: x_{j+1} = argmax LM_head(final_hidden_j), so p_t is learnable."""
     batch = _batch(model.cfg, seq_lens=[24, 20], blocks=[(0, 2), (0, 8), (0, 14), (1, 3), (1, 10)])
-    final = batch.final_hidden_TD * 8
-    ids = batch.input_ids_T.clone()
-    nxt = (final @ model.lm_head_weight().t()).argmax(-1)
-    first = set(batch.seq_start_S1[:-1].tolist())
-    for t in range(1, ids.shape[0]):
-        if t not in first:
-            ids[t] = nxt[t - 1]
-    return replace(batch, input_ids_T=ids, final_hidden_TD=final)
+    return greedy_target_batch(batch, model.lm_head_weight())
 
 
 @pytest.fixture
