@@ -168,7 +168,7 @@ def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:
 
 
 def check_samples(meta: dict, samples_digest: str) -> None:
-    """A resume must train on the same token sequences: the checkpoint records the samples file's sha256."""
+    """A resume must train on the same token sequences: the checkpoint records the sha256 of their tokens."""
     saved = meta.get("data_position", {}).get("samples_digest")
     if saved and saved != samples_digest:
         raise InputError(f"cannot resume: the training samples differ from the checkpoint's (sha256 "
@@ -193,8 +193,8 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from workers.run_control import RunControl
     from workers.trainer import train_loop
 
-    if resume_from is not None:
-        meta = json.loads((resume_from / "meta.json").read_text())
+    meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
+    if meta is not None:
         try:  # another trainer count: keep the checkpoint's global batch (workers/reshard.py)
             adapt_to_checkpoint(cfg, meta, log)
         except ValueError as e:
@@ -204,8 +204,8 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     run_dir = Path(cfg.checkpoint.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_path, samples_digest = write_run_samples(samples, run_dir)
-    if resume_from is not None:
-        check_samples(json.loads((resume_from / "meta.json").read_text()), samples_digest)
+    if meta is not None:
+        check_samples(meta, samples_digest)
     num_samples = len(samples)
     del samples  # the feature service reads them back by id; the driver need not hold the dataset
 
@@ -251,7 +251,8 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     if reason is not None:
         from workers.checkpoint import CheckpointManager
 
-        latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest()
+        # the trainers verified and wrote it just now: sizes are enough to find its step
+        latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest(verify="size")
         step = int(json.loads((latest / "meta.json").read_text())["step"]) if latest else 0
         if step < cfg.train.max_steps:  # else the request came during the last step: the run is complete
             raise StoppedEarly(step, cfg.train.max_steps)

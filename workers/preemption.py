@@ -34,11 +34,12 @@ class StoppedEarly(Exception):
 
 
 @contextmanager
-def stop_on_signal(on_stop: Callable[[str], Any]) -> Iterator[threading.Event]:
-    """While inside: SIGTERM/SIGINT on this process (the driver, or the single-process trainer) sets the yielded
-    event and calls `on_stop(signal name)` once; a second signal exits at once (the default handling). The
-    previous handlers come back on exit. Off the main thread (where Python cannot install handlers) the event
-    is only set by whoever else holds it."""
+def stop_on_signal(on_stop: Callable[[str], Any],
+                   signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[threading.Event]:
+    """While inside: one of `signals` on this process (the driver, the single-process trainer, a Ray Train rank)
+    sets the yielded event and calls `on_stop(signal name)` once; a second signal exits at once (the default
+    handling). The previous handlers come back on exit. Off the main thread (where Python cannot install
+    handlers) the event is only set by whoever else holds it."""
     requested = threading.Event()
 
     def handler(signum: int, _frame: Any) -> None:
@@ -55,7 +56,7 @@ def stop_on_signal(on_stop: Callable[[str], Any]) -> Iterator[threading.Event]:
     if threading.current_thread() is not threading.main_thread():
         yield requested
         return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield requested
     finally:

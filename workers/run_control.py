@@ -14,7 +14,6 @@ own handler, so the group still stops together; a rank that is killed outright i
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from typing import Any
 
@@ -55,16 +54,11 @@ class StopPoller:
       Ray Train restarts the group and it resumes from that checkpoint, losing nothing. Reported once per
       notice. (`get_preemption_info` is a collective of the group: every rank calls it each step.)"""
 
-    def __init__(self, control: Any, timeout_s: float = 10.0) -> None:
-        self.control, self.timeout_s = control, timeout_s
-        self._local: str | None = None
+    def __init__(self, control: Any, local_stop: threading.Event, timeout_s: float = 10.0) -> None:
+        """`local_stop`: set by this rank's own SIGTERM handler (workers/preemption.stop_on_signal), which also
+        tells RunControl, so the other ranks stop after the same step."""
+        self.control, self.local_stop, self.timeout_s = control, local_stop, timeout_s
         self._drain_seen = False
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        self._local = signal.Signals(signum).name
-        self.control.request_stop.remote(f"{self._local} on a trainer")
 
     def __call__(self) -> Notice:
         import ray.train
@@ -74,7 +68,7 @@ class StopPoller:
         self._drain_seen = drained
         if checkpoint:
             log.warning("a node of this trainer group is being drained: checkpointing now")
-        if self._local is not None:
+        if self.local_stop.is_set():
             return Notice(stop=True, checkpoint=checkpoint)
         try:
             stop = ray.get(self.control.stop_reason.remote(), timeout=self.timeout_s) is not None

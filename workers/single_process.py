@@ -161,7 +161,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
                          resume_from: Path | None = None) -> Path:
     """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
     directory."""
-    from workers.orchestrate import InputError, check_resume, check_samples, resolve_inputs, write_run_samples
+    from pipeline.sample_store import samples_digest as digest_samples
+    from workers.orchestrate import InputError, check_resume, check_samples, resolve_inputs
     from workers.target_worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
@@ -171,8 +172,9 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     if cfg.target.tp_size > 1:
         raise InputError(f"--single-process holds the whole target in this process: target.tp_size must be 1, "
                          f"got {cfg.target.tp_size} (target groups need the Ray pipeline)")
-    if resume_from is not None:
-        check_resume(cfg, json.loads((Path(resume_from) / "meta.json").read_text()))
+    meta = json.loads((Path(resume_from) / "meta.json").read_text()) if resume_from is not None else None
+    if meta is not None:
+        check_resume(cfg, meta)
     run_dir = Path(cfg.checkpoint.run_dir)
     target_path, samples = resolve_inputs(cfg, log)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -196,9 +198,9 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     engine = TorchEngine(module, cfg)
     ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _, samples_digest = write_run_samples(samples, run_dir)  # what the ledger's sample ids refer to
-    if resume_from is not None:
-        check_samples(json.loads((Path(resume_from) / "meta.json").read_text()), samples_digest)
+    samples_digest = digest_samples(samples)  # what the ledger's sample ids refer to (no samples file: in memory)
+    if meta is not None:
+        check_samples(meta, samples_digest)
     start_step, ledger = resume(engine, ckpts, resume_from, 0, log, samples_digest)
 
     save_config(cfg, run_dir / "config.yaml")

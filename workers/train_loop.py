@@ -14,7 +14,7 @@ trainer (workers/single_process.py). It never asks how it is deployed; what diff
               after that step and go on (a node of the group is being drained).
 
 Per step: fetch, `optimizer_step` (workers/train_step.py: loss scaling and the step itself), the all-reduced
-metrics, one log line, the sink, the progress bar, and a checkpoint (with the sample ledger) every
+metrics, one log line, the sink, and a checkpoint (with the sample ledger) every
 `checkpoint.every_steps`, at the end, and when asked to stop. Collectives go through torch.distributed when it is
 initialised and are no-ops otherwise (one process).
 """
@@ -114,7 +114,7 @@ class FitResult:
 
 
 def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink: MetricsSink, cfg: RunConfig,
-        rank: int, world: int, start_step: int, log: logging.Logger, bar: Any = None, ledger: Ledger | None = None,
+        rank: int, world: int, start_step: int, log: logging.Logger, ledger: Ledger | None = None,
         poll: Callable[[], Notice] | None = None, num_samples: int = 0) -> FitResult:
     """Train from `start_step` to `train.max_steps`, or until `poll` says stop on any rank."""
     t = cfg.train
@@ -147,8 +147,6 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                 if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                     eta = (time.time() - t_start) / (step + 1 - start_step) * (t.max_steps - step - 1)
                     log.info("%s", format_step(step + 1, t.max_steps, metrics, eta))
-                if bar is not None:
-                    bar.update(1)
             stop = stop_votes > 0 and step + 1 < t.max_steps
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == t.max_steps or stop or ckpt_votes > 0:
                 path = save_checkpoint(engine, checkpointer, ledger, cfg, step + 1, rank, world, metrics,

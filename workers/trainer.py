@@ -10,6 +10,7 @@ positions only (inside the chunked loss).
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, ge
 from pipeline.order import batch_index_for
 from workers.checkpoint import CheckpointError, CheckpointManager, export_draft
 from workers.ledger import Ledger
+from workers.preemption import stop_on_signal
 from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
 from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
@@ -192,9 +194,13 @@ def _train(loop_config: dict[str, Any]) -> None:
             sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard")))
         sink = MultiSink(*sinks)
     batches = FeatureServiceBatches(loop_config["service"], cfg, rank, world, loop_config["num_samples"], device)
+    control = loop_config["control"]
     try:
-        result = fit(engine, batches, ckpts, sink, cfg, rank, world, start_step, log, ledger=ledger,
-                     poll=StopPoller(loop_config["control"]), num_samples=loop_config["num_samples"])
+        # SIGTERM only: Ray delivers task cancellation to its workers as SIGINT
+        with stop_on_signal(lambda name: control.request_stop.remote(f"{name} on a trainer"),
+                            signals=(signal.SIGTERM,)) as local_stop:
+            result = fit(engine, batches, ckpts, sink, cfg, rank, world, start_step, log, ledger=ledger,
+                         poll=StopPoller(control, local_stop), num_samples=loop_config["num_samples"])
         if cfg.checkpoint.export and result.stopped_at is None:
             _export(engine, cfg, rank)
     finally:
