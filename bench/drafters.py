@@ -37,7 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.evaluate_draft import tau_table  # noqa: E402
+from launch.evaluate_draft import speedup_table, tau_table  # noqa: E402
 from pipeline.metrics import get_logger  # noqa: E402
 
 SCALES = {
@@ -61,7 +61,15 @@ DRAFTERS = {
     # draft LM reads tokens only and drafts γ = GAMMA tokens, with the DSpark/DFlash backbone's depth
     "mtp1": ["draft.preset=mtp1", "draft.block_size=1", "draft.num_layers=1"],
     "draft-lm": ["draft.preset=draft-lm"],
+    # the paper's setting: a parallel drafter as deep as costs Eagle3's drafting time at γ = 7 (its depth is
+    # measured on this machine by stage_latency; the entry gets draft.num_layers from there)
+    "dspark-lat": ["draft.preset=dspark-markov", "draft.target_layers=[1,27]", "draft.head_rank=128"],
+    # DSpark on real text (the stdlib code + docstring chats of the embedded corpus) instead of regenerated replies:
+    # no data stage at all; the L1 and confidence terms still get the target's own p_t, every row fresh
+    "dspark-real": ["draft.preset=dspark-markov", "draft.target_layers=[1,27]", "draft.head_rank=128",
+                    "data.source=default"],
 }
+LATENCY_DEPTHS = range(1, 13)  # DSpark depths timed against Eagle3 for dspark-lat
 
 
 def stage_data(work: Path, s: dict, log) -> Path:
@@ -90,7 +98,7 @@ def stage_data(work: Path, s: dict, log) -> Path:
     return out
 
 
-def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int):
+def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int, extra: list[str] = ()):
     from pipeline.config import load_config
 
     common = [
@@ -108,7 +116,10 @@ def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int):
         # The first H200 run (80 steps fit in its budget) took 0.87 s/step: bigger loss chunks and one target
         # forward per batch cut kernel launches; whether they are enough is for the next lent device to measure.
         common += ["loss.chunk_rows=1024", "target.max_tokens_per_forward=16384"]
-    return load_config(REPO / "launch" / "configs" / "tiny.yaml", [*common, *DRAFTERS[name], *s.get("overrides", [])])
+    if name == "dspark-real":  # one pass over fresh rows: as many as the steps consume
+        common += [f"data.num_samples={steps * s['samples_per_batch'] * s['trainers']}"]
+    return load_config(REPO / "launch" / "configs" / "tiny.yaml",
+                       [*common, *DRAFTERS[name], *extra, *s.get("overrides", [])])
 
 
 def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
@@ -118,7 +129,8 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
     if (run_dir / "export" / "config.json").is_file():
         log.info("train %s: reusing %s", name, run_dir / "export")
         return run_dir / "export"
-    cfg = run_config(data, s, name, run_dir, s["steps"])
+    extra = [f"draft.num_layers={stage_latency(work, data, s, log)['depth']}"] if name == "dspark-lat" else []
+    cfg = run_config(data, s, name, run_dir, s["steps"], extra)
     t0 = time.time()
     if s["trainer"] == "single":
         from workers.single_process import train_single_process
@@ -136,6 +148,79 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
             ray.shutdown()
     log.info("train %s: %.0f s", name, time.time() - t0)
     return run_dir / "export"
+
+
+def stage_latency(work: Path, data: Path, s: dict, log) -> dict:
+    """The DSpark depth whose drafting time per round is closest to Eagle3's at γ = GAMMA on this machine.
+
+    Both are timed as the evaluator times them (DSparkDrafter.propose: one block at the anchor of a
+    `context`-token prefix, median of repeats, untrained weights: the time does not depend on them), at every
+    depth in LATENCY_DEPTHS. Cached in <work>/latency.json."""
+    import statistics
+
+    import torch
+
+    from draft_model.registry import build_draft
+    from evaluation.drafters import DecodeContext, make_drafter
+    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
+
+    path = work / "latency.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    context, repeats = 192, 15
+    target, _ = load_target(resolve_target_path("smollm2"), dtype=torch.float32)
+    emb = embedding_weights(target)
+    V, D, layers = emb[0].shape[0], emb[0].shape[1], target.config.num_hidden_layers
+
+    def per_round_ms(name: str, depth: int | None) -> float:
+        cfg = run_config(data, s, name, work / "latency-probe", 1,
+                         [] if depth is None else [f"draft.num_layers={depth}"]).draft.resolved_for_target(V, D, layers)
+        torch.manual_seed(0)
+        drafter = make_drafter(build_draft(cfg, *emb), name)
+        ctx = DecodeContext(torch.randint(0, V, (context,)), torch.randn(context, D * len(cfg.target_layers)))
+        g = torch.Generator().manual_seed(0)
+        times = []
+        for i in range(repeats + 3):
+            t0 = time.perf_counter()
+            drafter.propose(ctx, 1, 1.0, g)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    eagle3 = per_round_ms("eagle3", None)
+    dspark = {d: per_round_ms("dspark", d) for d in LATENCY_DEPTHS}
+    depth = min(dspark, key=lambda d: abs(dspark[d] - eagle3))
+    out = {"depth": depth, "eagle3_ms": eagle3, "dspark_ms": dspark, "context": context, "gamma": GAMMA}
+    log.info("latency: eagle3 γ=%d %.1f ms per round; dspark by depth %s ms -> depth %d", GAMMA, eagle3,
+             {d: round(t, 1) for d, t in dspark.items()}, depth)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def cost_table(work: Path, names: list[str], macro: dict, temperature: float = 1.0) -> str:
+    """CPU-hours each drafter cost (data stage + its training steps, both on the machine's cores) and its τ per
+    CPU-hour: regenerated replies pay the data stage, real text does not. The data stage's wall time is read from
+    its files (train_prompts.jsonl written before it, progress.json when it completed); training is the sum of
+    the logged step times."""
+    import os
+
+    from pipeline.metrics import read_jsonl_metrics
+
+    cores = os.cpu_count() or 1
+    progress, prompts = work / "data" / "progress.json", work / "train_prompts.jsonl"
+    data_h = (progress.stat().st_mtime - prompts.stat().st_mtime) / 3600 if progress.is_file() else 0.0
+    lines = [f"{'drafter':12}{'data CPU-h':>11}{'train CPU-h':>12}{'τ (T=' + str(temperature) + ')':>10}"
+             f"{'(τ-1)/CPU-h':>13}"]
+    for name in names:
+        if (name, temperature) not in macro:
+            continue
+        steps = read_jsonl_metrics(work / "runs" / name / "metrics.jsonl")
+        train_h = sum(r.get("step_time_s", 0.0) for r in steps.values()) / 3600
+        data = 0.0 if name == "dspark-real" else data_h
+        tau = macro[(name, temperature)]
+        lines.append(f"{name:12}{cores * data:>11.2f}{cores * train_h:>12.2f}{tau:>10.3f}"
+                     f"{(tau - 1) / (cores * (data + train_h)):>13.3f}")
+    return "\n".join(lines)
 
 
 def calibrate_steps(work: Path, data: Path, s: dict, drafters: list[str], budget_s: float, log) -> int:
@@ -165,7 +250,7 @@ def stage_eval(work: Path, exports: dict[str, Path], s: dict, log) -> list[dict]
 
     return evaluate_exports(exports, "smollm2", ["humaneval", "gsm8k", "mtbench"], s["eval_prompts"],
                             s["eval_max_new"], s["temperatures"], work / "eval", "cuda" if s["use_gpu"] else "cpu", log,
-                            time_limit_s=s.get("eval_budget"))
+                            time_limit_s=s.get("eval_budget"), autoregressive=True)
 
 
 def main() -> None:
@@ -218,6 +303,16 @@ def main() -> None:
           f"{'/'.join(map(str, ran))} of {s['eval_prompts']} prompts per set, {s['eval_max_new']} new tokens, "
           f"wall {time.time() - t_all:.0f} s (stages cached in {work})")
     print(table)
+    speedups, _ = speedup_table(results)
+    print("\nend-to-end decoding speed-up over the target alone (tokens/s on the same prompts, decoded in turn)\n"
+          + speedups)
+    if (work / "latency.json").is_file():
+        lat = json.loads((work / "latency.json").read_text())
+        print(f"\nlatency-matched depth (dspark-lat): {lat['depth']} layers; drafting ms per round at a "
+              f"{lat['context']}-token context: eagle3 γ={lat['gamma']} {lat['eagle3_ms']:.1f}, dspark by depth "
+              + ", ".join(f"{d}: {t:.1f}" for d, t in lat["dspark_ms"].items()))
+    print("\ncost (data + training on this machine's cores) and τ per CPU-hour\n"
+          + cost_table(work, args.drafters, macro))
     if all((n, 1.0) in macro for n in ("dspark", "dflash", "eagle3")):
         print(f"tau_ratio dspark/dflash={macro[('dspark', 1.0)] / macro[('dflash', 1.0)]:.3f} "
               f"dspark/eagle3={macro[('dspark', 1.0)] / macro[('eagle3', 1.0)]:.3f}")

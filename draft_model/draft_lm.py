@@ -39,7 +39,7 @@ from draft_model.eagle3 import _StepAttention
 from draft_model.ffn import SwiGLU
 from draft_model.model import DraftOutput, FrozenTargetDraft, resolve_cfg
 from draft_model.registry import register_draft
-from draft_model.sampling import probs_at_temperature
+from draft_model.sampling import probs_at_temperature, sample_categorical
 
 
 @dataclass
@@ -153,7 +153,7 @@ class DraftLM(FrozenTargetDraft):
                 x_ND = layer.step(x_ND, p_N + s, ctx, k, v)
             h_ND = self.final_norm(x_ND)
             p_NV = probs_at_temperature(h_ND.to(lm_VD.dtype) @ lm_VD.t(), temperature)
-            tokens_N = torch.multinomial(p_NV, 1, generator=generator).squeeze(-1)
+            tokens_N = sample_categorical(p_NV, generator)
             tokens.append(tokens_N)
             probs.append(p_NV)
             hidden.append(h_ND)

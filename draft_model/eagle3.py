@@ -45,7 +45,7 @@ from draft_model.config import DraftConfig
 from draft_model.ffn import SwiGLU
 from draft_model.model import DraftOutput, FrozenTargetDraft, resolve_cfg
 from draft_model.registry import register_draft
-from draft_model.sampling import probs_at_temperature
+from draft_model.sampling import probs_at_temperature, sample_categorical
 
 
 @dataclass
@@ -211,7 +211,7 @@ class Eagle3Draft(FrozenTargetDraft):
         for s in range(self.cfg.block_size):
             a_ND, h_ND = self._step(ctx, s, tokens_N, feat_ND, keys, values)
             p_NV = probs_at_temperature(h_ND.to(lm_VD.dtype) @ lm_VD.t(), temperature)
-            tokens_N = torch.multinomial(p_NV, 1, generator=generator).squeeze(-1)
+            tokens_N = sample_categorical(p_NV, generator)
             tokens.append(tokens_N)
             probs.append(p_NV)
             hidden.append(h_ND)

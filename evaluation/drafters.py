@@ -27,9 +27,11 @@ from torch import nn
 
 from draft_model.batch import BlockBatch
 
-__all__ = ["CALIBRATION_FILE", "DecodeContext", "Drafter", "DSparkDrafter", "Proposal", "load_drafter", "make_drafter"]
+__all__ = ["AUTOREGRESSIVE", "CALIBRATION_FILE", "DecodeContext", "Drafter", "DSparkDrafter", "Proposal", "TargetOnly",
+           "load_drafter", "make_drafter"]
 
 CALIBRATION_FILE = "calibration.json"  # STS temperatures beside an exported draft (serving/calibration.py)
+AUTOREGRESSIVE = "autoregressive"  # the name TargetOnly reports under
 
 
 @dataclass
@@ -118,6 +120,25 @@ class DSparkDrafter:
             self._t_K = torch.tensor(self.sts_temperatures, dtype=torch.float64, device=logit_K.device)
         # σ(logit / T) in float64, as serving.calibration.apply_sts computes it
         return Proposal(tokens_NK[0], probs_NKV[0], torch.sigmoid(logit_K.double() / self._t_K).float(), logit_K)
+
+
+class TargetOnly:
+    """No draft at all (γ = 0): every round is one target forward over the anchor and emits the one token the
+    target samples there. Plain autoregressive decoding, but through the same session, KV cache and sampler as
+    every drafter, so that a drafter's end-to-end speed-up is its tokens/s over this one's on the same prompts."""
+
+    name = AUTOREGRESSIVE
+    block_size = 0
+    target_layers: list[int] = []
+    sts_temperatures = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def propose(self, ctx: DecodeContext, anchor_token: int, temperature: float,
+                generator: torch.Generator) -> Proposal:
+        dev = ctx.ids_L.device
+        return Proposal(torch.zeros(0, dtype=torch.long, device=dev), torch.zeros(0, self.vocab_size, device=dev))
 
 
 def make_drafter(model: nn.Module, name: str | None = None, sts_temperatures=None) -> DSparkDrafter:

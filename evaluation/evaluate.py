@@ -82,6 +82,7 @@ def _dataset_metrics(rounds: RoundLog, new_tokens: int, forwards: int, wall_s: f
         "tokens_per_forward": new_tokens / forwards if forwards else math.nan,
         "wall_s": wall_s,
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else math.nan,
+        "draft_s_median": float(np.median(rounds.draft_s_R)) if rounds.draft_s_R else math.nan,
         "ece": ece,
         "roc_auc": auc,
         "conf_mean": conf_mean,

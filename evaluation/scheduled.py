@@ -76,7 +76,7 @@ def verify_prefix(session: TargetSession, tokens_K: torch.Tensor, probs_KV: torc
     elif ell == 0:
         # no draft token: the rejection rule degenerates to sampling the target at the anchor
         q_V = sampling.probs_at_temperature(logits_L1V[0], temperature)
-        res_tokens = [int(torch.multinomial(q_V, 1, generator=generator))]
+        res_tokens = [int(sampling.sample_categorical(q_V, generator))]
     else:
         q_L1V = sampling.probs_at_temperature(logits_L1V, temperature)
         res_tokens = sampling.verify_block(x_L, probs_KV[:ell].to(q_L1V), q_L1V, generator).token_list()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,8 +31,11 @@ if str(REPO) not in sys.path:
 
 def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[str], num_prompts: int,
                      max_new_tokens: int, temperatures: list[float], out_dir: Path, device: str = "auto",
-                     log=None, time_limit_s: float | None = None) -> list[dict]:
+                     log=None, time_limit_s: float | None = None, autoregressive: bool = False) -> list[dict]:
     """Evaluate every export at every temperature on the same prompts; results cached per (draft, temperature).
+
+    autoregressive adds the target alone (evaluation.drafters.TargetOnly, named "autoregressive"), decoded on the
+    same prompts in turn with the drafts, the baseline of end-to-end speed-ups (`speedup_table`).
 
     time_limit_s bounds the whole evaluation: each temperature gets an equal share of what is left, and prompts
     stop being started when it runs out, for all drafts alike (evaluation/evaluate.evaluate_many), so the drafts stay
@@ -39,7 +43,7 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     """
     import torch
 
-    from evaluation.drafters import load_drafter
+    from evaluation.drafters import AUTOREGRESSIVE, TargetOnly, load_drafter
     from evaluation.evaluate import evaluate_many
     from evaluation.prompts import resolve_prompt_sets
     from evaluation.report import write_report
@@ -59,9 +63,13 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     target, tok = load_target(resolve_target_path(target_name), dtype=dtype)
     target.to(device)
     drafters = {name: load_drafter(export, target, name) for name, export in exports.items()}
+    if autoregressive:
+        if AUTOREGRESSIVE in drafters:
+            raise ValueError(f"a draft may not be named {AUTOREGRESSIVE!r}: the baseline has that name")
+        drafters[AUTOREGRESSIVE] = TargetOnly(target.get_output_embeddings().weight.shape[0])
     results = []
     for n, temperature in enumerate(temperatures):
-        cached = {name: out_dir / f"{name}-T{temperature}.json" for name in exports}
+        cached = {name: out_dir / f"{name}-T{temperature}.json" for name in drafters}
         todo = [name for name, path in cached.items() if not _cache_valid(path, drafters[name])]
         deadline = None
         if time_limit_s is not None:
@@ -114,12 +122,38 @@ def tau_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], float]]
     """A text table of τ per dataset and the macro average, and the macro averages by (drafter, temperature)."""
     taus = {(r["drafter"], r["temperature"]): {ds: m["tau"] for ds, m in r["datasets"].items()} for r in results}
     datasets = sorted(next(iter(taus.values())))
-    lines = [f"{'drafter':10}{'T':>5}" + "".join(f"{ds:>11}" for ds in datasets) + f"{'macro':>9}"]
+    lines = [f"{'drafter':14}{'T':>5}" + "".join(f"{ds:>11}" for ds in datasets) + f"{'macro':>9}"]
     macro = {}
     for (name, temperature), row in sorted(taus.items()):
         macro[(name, temperature)] = sum(row.values()) / len(row)
-        lines.append(f"{name:10}{temperature:>5.1f}" + "".join(f"{row[ds]:>11.3f}" for ds in datasets)
+        lines.append(f"{name:14}{temperature:>5.1f}" + "".join(f"{row[ds]:>11.3f}" for ds in datasets)
                      + f"{macro[(name, temperature)]:>9.3f}")
+    return "\n".join(lines), macro
+
+
+def speedup_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], float]]:
+    """End-to-end decoding speed-up of each draft: its tokens/s over the autoregressive baseline's on the same
+    dataset and temperature (wall time of whole decodes: target forwards, the draft's own time and the session's
+    bookkeeping), the macro average over datasets, and each draft's median drafting time per round.
+    -> (text table, {(drafter, temperature): macro speed-up}); empty without an autoregressive result."""
+    from evaluation.drafters import AUTOREGRESSIVE
+
+    base = {r["temperature"]: r["datasets"] for r in results if r["drafter"] == AUTOREGRESSIVE}
+    rows = [r for r in results if r["drafter"] != AUTOREGRESSIVE and r["temperature"] in base]
+    if not rows:
+        return "", {}
+    datasets = sorted(rows[0]["datasets"])
+    lines = [f"{'drafter':14}{'T':>5}" + "".join(f"{ds:>11}" for ds in datasets) + f"{'macro':>9}"
+             + f"{'draft ms/round':>16}"]
+    macro = {}
+    for r in sorted(rows, key=lambda r: (r["drafter"], r["temperature"])):
+        ar = base[r["temperature"]]
+        row = {ds: r["datasets"][ds]["tokens_per_s"] / ar[ds]["tokens_per_s"] for ds in datasets}
+        key = (r["drafter"], r["temperature"])
+        macro[key] = sum(row.values()) / len(row)
+        draft_ms = [1e3 * r["datasets"][ds].get("draft_s_median", math.nan) for ds in datasets]
+        lines.append(f"{r['drafter']:14}{r['temperature']:>5.1f}" + "".join(f"{row[ds]:>10.2f}x" for ds in datasets)
+                     + f"{macro[key]:>8.2f}x" + f"{sum(draft_ms) / len(draft_ms):>16.1f}")
     return "\n".join(lines), macro
 
 
@@ -140,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop starting prompts after this long, for every draft alike (default: no limit)")
+    p.add_argument("--autoregressive", action="store_true",
+                   help="also decode with the target alone and print each draft's end-to-end speed-up over it")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     exports = {}
@@ -151,11 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         datasets = (args.datasets or ([] if args.prompts else ["humaneval", "gsm8k", "mtbench"])) + args.prompts
         results = evaluate_exports(exports, args.target, datasets, args.num_prompts, args.max_new_tokens,
                                    args.temperatures, Path(args.out), args.device, get_logger("dspark.eval"),
-                                   args.time_limit)
+                                   args.time_limit, args.autoregressive)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(tau_table(results)[0])
+    if args.autoregressive:
+        print("\nend-to-end speed-up over the target alone (tokens/s ratio on the same prompts)")
+        print(speedup_table(results)[0])
     return 0
 
 

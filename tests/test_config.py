@@ -84,3 +84,8 @@ def test_bench_drafter_entries_build_valid_configs(scale, tmp_path):
                                                                           s["draft_layers"], [-1])
     for name, cfg in cfgs.items():  # same attention geometry for every drafter
         assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64), name
+    # real text: the embedded corpus, one pass of fresh rows; the latency-matched depth comes in as an extra override
+    real = bench.run_config(tmp_path / "data", s, "dspark-real", tmp_path / "r", 3).data
+    assert (real.source, real.num_samples) == ("default", 3 * s["samples_per_batch"] * s["trainers"])
+    lat = bench.run_config(tmp_path / "data", s, "dspark-lat", tmp_path / "l", 3, ["draft.num_layers=6"]).draft
+    assert (lat.num_layers, lat.head_rank) == (6, cfgs["dspark"].head_rank) and cfgs["dspark-lat"] == cfgs["dspark"]

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_model import sampling
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
-from evaluation.drafters import DecodeContext, DSparkDrafter, Proposal, make_drafter
+from evaluation.drafters import DecodeContext, DSparkDrafter, Proposal, TargetOnly, make_drafter
 from evaluation.evaluate import evaluate, evaluate_many
 from evaluation.metrics import expected_calibration_error, roc_auc
 from evaluation.report import write_report
@@ -215,6 +215,22 @@ def test_greedy_output_equals_target_greedy():
         assert g["tokens"] == greedy_reference(target, p, 16)
     acc = res["datasets"]["d"]["cond_acceptance"]
     assert 0 < acc[0] < 1  # a mix of accepted and rejected drafts, so cache cropping is exercised
+
+
+def test_target_only_is_plain_autoregressive_decoding():
+    """The γ = 0 baseline of end-to-end speed-ups: one target forward per token, the target's greedy output, and
+    sampled first tokens from the target's own distribution."""
+    target = tiny_llama(seed=1)
+    prompts = [[2, 9, 4], [17, 3, 3, 3, 8, 1, 12]]
+    res = evaluate(target, None, TargetOnly(V), {"d": prompts}, 0.0, 12, seed=0, eos_token_ids=NO_EOS)
+    for p, g in zip(prompts, res["generations"]["d"]):
+        assert g["tokens"] == greedy_reference(target, p, 12)
+    m = res["datasets"]["d"]
+    assert m["tau"] == 1.0 and m["rounds"] == 24 and m["target_forwards"] == 24 + 2  # + each prompt's prefill
+    prompt, n = [4], 2000
+    res = evaluate(target, None, TargetOnly(V), {"d": [prompt] * n}, 1.0, 1, seed=5, eos_token_ids=NO_EOS)
+    first = np.array([gen["tokens"][0] for gen in res["generations"]["d"]])
+    assert _chi2_pvalue(np.bincount(first, minlength=V), next_probs(target, prompt).double().numpy()) > 1e-3
 
 
 def test_stops_at_eos():

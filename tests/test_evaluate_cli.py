@@ -37,3 +37,28 @@ def test_cli_writes_report_and_resumes(tmp_path, capsys):
     assert main(args) == 0  # a second run reuses the cached result
     assert (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns == cached
     assert main([*args[:-2], "--datasets", "nope", "--out", str(tmp_path / "e2")]) == 2
+
+
+def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
+    from launch.evaluate_draft import speedup_table
+
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                  intermediate_size=64, head_rank=8, block_size=3, target_layers=[1, -1])
+    torch.manual_seed(0)
+    draft = build_draft(cfg, *embedding_weights(target))
+    export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, tmp_path / "export")
+    args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
+            "--max-new-tokens", "6", "--temperatures", "1.0", "--autoregressive", "--out", str(tmp_path / "eval")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "end-to-end speed-up" in out and "autoregressive" in out
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "eval").glob("*-T1.0.json"))]
+    base = next(r for r in results if r["drafter"] == "autoregressive")
+    assert all(m["tau"] == 1.0 for m in base["datasets"].values())
+    mine = next(r for r in results if r["drafter"] == "mine")
+    _, macro = speedup_table(results)
+    want = sum(mine["datasets"][ds]["tokens_per_s"] / base["datasets"][ds]["tokens_per_s"]
+               for ds in base["datasets"]) / 3
+    assert abs(macro[("mine", 1.0)] - want) < 1e-12 and mine["datasets"]["gsm8k"]["draft_s_median"] > 0
+    assert main(["--draft", f"autoregressive={tmp_path / 'export'}", *args[2:]]) == 2  # the baseline's name

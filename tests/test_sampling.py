@@ -179,3 +179,19 @@ def test_shape_errors():
         verify_greedy(x_K, torch.zeros(K, V))
     with pytest.raises(ValueError, match="single block"):
         verify_greedy(x_K[None], torch.zeros(1, K + 1, V)).token_list()
+
+
+def test_sample_categorical_draws_each_row_from_its_distribution():
+    g = torch.Generator().manual_seed(0)
+    probs_V = torch.softmax(torch.randn(50, generator=g) * 2, -1)
+    probs_V[[3, 17]] = 0.0  # impossible tokens
+    n = 200_000
+    draws = sampling.sample_categorical(probs_V.expand(n, -1) * 3.0, g)  # any positive total
+    counts = torch.bincount(draws, minlength=50)
+    assert counts[[3, 17]].sum() == 0
+    keep = probs_V > 0
+    want = probs_V[keep].double() / probs_V[keep].double().sum() * n
+    assert chisquare(counts[keep].numpy(), want.numpy()).pvalue > 1e-3
+    one_hot = torch.nn.functional.one_hot(torch.tensor([0, 49, 7]), 50).float()
+    assert sampling.sample_categorical(one_hot, g).tolist() == [0, 49, 7]
+    assert sampling.sample_categorical(probs_V, g).shape == ()
