@@ -6,7 +6,15 @@ real target (SmolLM2-135M-Instruct).
 2. the drafters trained by the real pipeline (workers/orchestrate.run_training) on those rows, same steps,
    optimizer, schedule, block size γ (1 for MTP-1) and data order;
 3. real speculative decoding (evaluation/) on held-out HumanEval, GSM8K and MT-Bench prompts at
-   temperature 1.0 and greedy; report (JSON, markdown, PNG) under <work-dir>/report/.
+   temperature 1.0 and greedy, and the target alone on the same prompts in turn (the autoregressive baseline);
+   report (JSON, markdown, PNG) under <work-dir>/eval/.
+Besides the equal-depth drafters, two DSpark variants:
+- dspark-lat, the paper's setting: as deep as costs Eagle3's drafting time per round at γ = 7 on this machine
+  (stage_latency times both as the evaluator does, <work-dir>/latency.json);
+- dspark-real: trained on real text (the embedded stdlib corpus, one pass of fresh rows) instead of the target's
+  regenerated replies, to weigh what the data stage's CPU time buys (the cost table: τ per CPU-hour).
+Printed: τ per dataset, end-to-end decoding speed-up over the target alone (wall time of whole decodes: target
+forwards, the draft's own time, bookkeeping), the latency-matched depth, and the cost table.
 Every stage is cached in --work-dir, so a re-run resumes where it stopped. The last line is
 `tau_ratio dspark/dflash=X dspark/eagle3=Y` (macro-average τ over the datasets, temperature 1.0).
 
