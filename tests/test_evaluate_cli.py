@@ -16,13 +16,18 @@ from pipeline.target_model import embedding_weights, load_target, resolve_target
 from workers.checkpoint import export_draft
 
 
-def test_cli_writes_report_and_resumes(tmp_path, capsys):
+def export_untrained_draft(out) -> None:
+    """A seeded, untrained 1-layer DSpark (γ = 3) on the tiny Qwen3-MoE target, exported to `out`."""
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=64, head_rank=8, block_size=3, target_layers=[1, -1])
     torch.manual_seed(0)
     draft = build_draft(cfg, *embedding_weights(target))
-    export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, tmp_path / "export")
+    export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, out)
+
+
+def test_cli_writes_report_and_resumes(tmp_path, capsys):
+    export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
             "--max-new-tokens", "6", "--temperatures", "0.0", "--out", str(tmp_path / "eval")]
     assert main(args) == 0
@@ -42,12 +47,7 @@ def test_cli_writes_report_and_resumes(tmp_path, capsys):
 def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
     from launch.evaluate_draft import speedup_table
 
-    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
-    cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                  intermediate_size=64, head_rank=8, block_size=3, target_layers=[1, -1])
-    torch.manual_seed(0)
-    draft = build_draft(cfg, *embedding_weights(target))
-    export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, tmp_path / "export")
+    export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
             "--max-new-tokens", "6", "--temperatures", "1.0", "--autoregressive", "--out", str(tmp_path / "eval")]
     assert main(args) == 0
