@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -102,11 +105,15 @@ def stage_data(work: Path, s: dict, log) -> Path:
     if s["regen_ray"]:  # one target worker per core (each single-threaded) beats one process on a busy CPU
         cmd += ["--ray", "--num-workers", str(s["regen_workers"])]
     log.info("data: regenerating %d replies with the target", s["train_prompts"])
+    t0 = time.time()
     subprocess.run(cmd, cwd=REPO, check=True)
+    timing = out / "bench_wall.json"  # what this run's data stage cost (cost_table); a resumed stage adds up
+    before = json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
+    timing.write_text(json.dumps({"seconds": before + time.time() - t0}) + "\n")
     return out
 
 
-def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int, extra: list[str] = ()):
+def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int, extra: Sequence[str] = ()):
     from pipeline.config import load_config
 
     common = [
@@ -124,10 +131,12 @@ def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int, extra:
         # The first H200 run (80 steps fit in its budget) took 0.87 s/step: bigger loss chunks and one target
         # forward per batch cut kernel launches; whether they are enough is for the next lent device to measure.
         common += ["loss.chunk_rows=1024", "target.max_tokens_per_forward=16384"]
+    # `extra` (the latency-matched depth) after the user's --set: a depth probe must build the depth it times
+    cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml", [*common, *DRAFTERS[name], *s.get("overrides", []),
+                                                                 *extra])
     if name == "dspark-real":  # one pass over fresh rows: as many as the steps consume
-        common += [f"data.num_samples={steps * s['samples_per_batch'] * s['trainers']}"]
-    return load_config(REPO / "launch" / "configs" / "tiny.yaml",
-                       [*common, *DRAFTERS[name], *extra, *s.get("overrides", [])])
+        cfg.data.num_samples = steps * cfg.data.samples_per_batch * cfg.cluster.num_trainers * cfg.train.grad_accum
+    return cfg
 
 
 def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
@@ -161,22 +170,27 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
 def stage_latency(work: Path, data: Path, s: dict, log) -> dict:
     """The DSpark depth whose drafting time per round is closest to Eagle3's at γ = GAMMA on this machine.
 
-    Both are timed as the evaluator times them (DSparkDrafter.propose: one block at the anchor of a
-    `context`-token prefix, median of repeats, untrained weights: the time does not depend on them), at every
-    depth in LATENCY_DEPTHS. Cached in <work>/latency.json."""
-    import statistics
-
+    Both are timed as the evaluator times them (DSparkDrafter.propose on the evaluation's device and target dtype,
+    synchronised: one block at the anchor of a `context`-token prefix, median of repeats, untrained weights: the
+    time does not depend on them), at every depth in LATENCY_DEPTHS. Cached in <work>/latency.json, keyed by the
+    settings that change the timing."""
     import torch
 
     from draft_model.registry import build_draft
     from evaluation.drafters import DecodeContext, make_drafter
+    from evaluation.session import sync
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
 
     path = work / "latency.json"
-    if path.is_file():
-        return json.loads(path.read_text())
     context, repeats = 192, 15
-    target, _ = load_target(resolve_target_path("smollm2"), dtype=torch.float32)
+    key = {"scale": {k: s[k] for k in ("draft_layers", "use_gpu", "target_dtype")}, "overrides": s.get("overrides", []),
+           "depths": list(LATENCY_DEPTHS), "context": context, "gamma": GAMMA}
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
+        return json.loads(path.read_text())
+    device = torch.device("cuda" if s["use_gpu"] else "cpu")
+    target, _ = load_target(resolve_target_path("smollm2"),
+                            dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target.to(device)
     emb = embedding_weights(target)
     V, D, layers = emb[0].shape[0], emb[0].shape[1], target.config.num_hidden_layers
 
@@ -184,13 +198,16 @@ def stage_latency(work: Path, data: Path, s: dict, log) -> dict:
         cfg = run_config(data, s, name, work / "latency-probe", 1,
                          [] if depth is None else [f"draft.num_layers={depth}"]).draft.resolved_for_target(V, D, layers)
         torch.manual_seed(0)
-        drafter = make_drafter(build_draft(cfg, *emb), name)
-        ctx = DecodeContext(torch.randint(0, V, (context,)), torch.randn(context, D * len(cfg.target_layers)))
-        g = torch.Generator().manual_seed(0)
+        drafter = make_drafter(build_draft(cfg, *emb).to(device), name)
+        ctx = DecodeContext(torch.randint(0, V, (context,), device=device),
+                            torch.randn(context, D * len(cfg.target_layers), device=device, dtype=emb[0].dtype))
+        g = torch.Generator(device=device).manual_seed(0)
         times = []
         for i in range(repeats + 3):
+            sync(device)
             t0 = time.perf_counter()
             drafter.propose(ctx, 1, 1.0, g)
+            sync(device)
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         return 1e3 * statistics.median(times)
@@ -198,36 +215,44 @@ def stage_latency(work: Path, data: Path, s: dict, log) -> dict:
     eagle3 = per_round_ms("eagle3", None)
     dspark = {d: per_round_ms("dspark", d) for d in LATENCY_DEPTHS}
     depth = min(dspark, key=lambda d: abs(dspark[d] - eagle3))
-    out = {"depth": depth, "eagle3_ms": eagle3, "dspark_ms": dspark, "context": context, "gamma": GAMMA}
+    out = {"depth": depth, "eagle3_ms": eagle3, "dspark_ms": dspark, "context": context, "gamma": GAMMA, "key": key}
     log.info("latency: eagle3 γ=%d %.1f ms per round; dspark by depth %s ms -> depth %d", GAMMA, eagle3,
              {d: round(t, 1) for d, t in dspark.items()}, depth)
+    if depth in (LATENCY_DEPTHS[0], LATENCY_DEPTHS[-1]):
+        log.warning("latency: the matched depth %d is at the edge of the depths timed (%d..%d): the match is a "
+                    "bound, not a crossing", depth, LATENCY_DEPTHS[0], LATENCY_DEPTHS[-1])
     path.write_text(json.dumps(out, indent=1) + "\n")
     return out
 
 
-def cost_table(work: Path, names: list[str], macro: dict, temperature: float = 1.0) -> str:
-    """CPU-hours each drafter cost (data stage + its training steps, both on the machine's cores) and its τ per
-    CPU-hour: regenerated replies pay the data stage, real text does not. The data stage's wall time is read from
-    its files (train_prompts.jsonl written before it, progress.json when it completed); training is the sum of
-    the logged step times."""
-    import os
-
+def cost_table(work: Path, names: list[str], macro: dict, use_gpu: bool, temperature: float = 1.0) -> str:
+    """What each drafter cost on this machine (the data stage + its training steps) and its τ − 1 (tokens gained
+    per round over plain decoding) per machine-hour: regenerated replies pay the data stage, real text does not.
+    CPU: machine-hours are wall hours x the cores this process may use (the stages keep them all busy); GPU: wall
+    hours of the one device. The data stage's wall time is what stage_data recorded (or, for a stage run before it
+    recorded it, the span between its prompt file and its completed progress.json); training counts the logged
+    step times only (no process start, no checkpoint writes)."""
     from pipeline.metrics import read_jsonl_metrics
 
-    cores = os.cpu_count() or 1
-    progress, prompts = work / "data" / "progress.json", work / "train_prompts.jsonl"
-    data_h = (progress.stat().st_mtime - prompts.stat().st_mtime) / 3600 if progress.is_file() else 0.0
-    lines = [f"{'drafter':12}{'data CPU-h':>11}{'train CPU-h':>12}{'τ (T=' + str(temperature) + ')':>10}"
-             f"{'(τ-1)/CPU-h':>13}"]
+    scale, unit = (1, "GPU-h") if use_gpu else (len(os.sched_getaffinity(0)), "CPU-h")
+    data = work / "data"
+    if (data / "bench_wall.json").is_file():
+        data_h = json.loads((data / "bench_wall.json").read_text())["seconds"] / 3600
+    elif (data / "progress.json").is_file() and (work / "train_prompts.jsonl").is_file():
+        data_h = ((data / "progress.json").stat().st_mtime - (work / "train_prompts.jsonl").stat().st_mtime) / 3600
+    else:
+        data_h = float("nan")
+    lines = [f"{'drafter':12}{'data ' + unit:>11}{'train ' + unit:>12}{'τ (T=' + str(temperature) + ')':>10}"
+             f"{'(τ-1)/' + unit:>13}"]
     for name in names:
-        if (name, temperature) not in macro:
-            continue
         steps = read_jsonl_metrics(work / "runs" / name / "metrics.jsonl")
+        if (name, temperature) not in macro or not steps:
+            continue
         train_h = sum(r.get("step_time_s", 0.0) for r in steps.values()) / 3600
-        data = 0.0 if name == "dspark-real" else data_h
+        cost = scale * ((0.0 if name == "dspark-real" else data_h) + train_h)
         tau = macro[(name, temperature)]
-        lines.append(f"{name:12}{cores * data:>11.2f}{cores * train_h:>12.2f}{tau:>10.3f}"
-                     f"{(tau - 1) / (cores * (data + train_h)):>13.3f}")
+        lines.append(f"{name:12}{scale * (0.0 if name == 'dspark-real' else data_h):>11.2f}{scale * train_h:>12.2f}"
+                     f"{tau:>10.3f}{(tau - 1) / cost if cost > 0 else float('nan'):>13.3f}")
     return "\n".join(lines)
 
 
@@ -314,13 +339,16 @@ def main() -> None:
     speedups, _ = speedup_table(results)
     print("\nend-to-end decoding speed-up over the target alone (tokens/s on the same prompts, decoded in turn)\n"
           + speedups)
-    if (work / "latency.json").is_file():
-        lat = json.loads((work / "latency.json").read_text())
-        print(f"\nlatency-matched depth (dspark-lat): {lat['depth']} layers; drafting ms per round at a "
-              f"{lat['context']}-token context: eagle3 γ={lat['gamma']} {lat['eagle3_ms']:.1f}, dspark by depth "
+    if "dspark-lat" in exports:
+        lat = stage_latency(work, data, s, log)
+        trained = json.loads((exports["dspark-lat"] / "config.json").read_text())["draft"]["num_layers"]
+        print(f"\nlatency-matched depth (dspark-lat): {lat['depth']} layers"
+              + ("" if trained == lat["depth"] else f" (its export was trained at {trained}: an earlier timing)")
+              + f"; drafting ms per round at a {lat['context']}-token context: eagle3 γ={lat['gamma']} "
+              f"{lat['eagle3_ms']:.1f}, dspark by depth "
               + ", ".join(f"{d}: {t:.1f}" for d, t in lat["dspark_ms"].items()))
-    print("\ncost (data + training on this machine's cores) and τ per CPU-hour\n"
-          + cost_table(work, args.drafters, macro))
+    print("\ncost on this machine (data stage + training steps) and τ − 1 per machine-hour\n"
+          + cost_table(work, args.drafters, macro, s["use_gpu"]))
     if all((n, 1.0) in macro for n in ("dspark", "dflash", "eagle3")):
         print(f"tau_ratio dspark/dflash={macro[('dspark', 1.0)] / macro[('dflash', 1.0)]:.3f} "
               f"dspark/eagle3={macro[('dspark', 1.0)] / macro[('eagle3', 1.0)]:.3f}")

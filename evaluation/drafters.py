@@ -129,11 +129,11 @@ class TargetOnly:
 
     name = AUTOREGRESSIVE
     block_size = 0
-    target_layers: list[int] = []
     sts_temperatures = None
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.target_layers: list[int] = []  # reads no feature
 
     def propose(self, ctx: DecodeContext, anchor_token: int, temperature: float,
                 generator: torch.Generator) -> Proposal:

@@ -75,11 +75,16 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
         if time_limit_s is not None:
             left = time_limit_s - (time.monotonic() - t_start)
             deadline = time.monotonic() + left / (len(temperatures) - n)
+        if autoregressive and todo and AUTOREGRESSIVE not in todo:
+            todo.append(AUTOREGRESSIVE)  # a speed-up divides by the baseline decoded in the same turn
         fresh = {}
         if todo:
             t0 = time.time()
             fresh = dict(zip(todo, evaluate_many(target, tok, [drafters[name] for name in todo], prompts,
                                                  temperature, max_new_tokens, seed=0, deadline_s=deadline)))
+            decoded_together = f"{time.time():.6f}"  # which results were decoded in turn (speedup_table pairs them)
+            for res in fresh.values():
+                res["decode_batch"] = decoded_together
         for name, path in cached.items():
             res = fresh[name] if name in fresh else json.loads(path.read_text())
             ran = {ds: m["num_prompts"] for ds, m in res["datasets"].items()}
@@ -135,11 +140,17 @@ def speedup_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], flo
     """End-to-end decoding speed-up of each draft: its tokens/s over the autoregressive baseline's on the same
     dataset and temperature (wall time of whole decodes: target forwards, the draft's own time and the session's
     bookkeeping), the macro average over datasets, and each draft's median drafting time per round.
+
+    Only results decoded in turn with the baseline (the same `decode_batch`) and on as many prompts are paired;
+    any other row says why it has no speed-up. The baseline runs the same verify path as a draft (one target
+    forward and one draw from the full vocabulary per token, plus the session's bookkeeping), which a bare
+    `generate` loop would not: the ratios include that per-token overhead on the baseline's side.
     -> (text table, {(drafter, temperature): macro speed-up}); empty without an autoregressive result."""
     from evaluation.drafters import AUTOREGRESSIVE
 
-    base = {r["temperature"]: r["datasets"] for r in results if r["drafter"] == AUTOREGRESSIVE}
-    rows = [r for r in results if r["drafter"] != AUTOREGRESSIVE and r["temperature"] in base]
+    base = {(r["temperature"], r.get("decode_batch")): r["datasets"] for r in results
+            if r["drafter"] == AUTOREGRESSIVE}
+    rows = [r for r in results if r["drafter"] != AUTOREGRESSIVE and any(t == r["temperature"] for t, _ in base)]
     if not rows:
         return "", {}
     datasets = sorted(rows[0]["datasets"])
@@ -147,7 +158,14 @@ def speedup_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], flo
              + f"{'draft ms/round':>16}"]
     macro = {}
     for r in sorted(rows, key=lambda r: (r["drafter"], r["temperature"])):
-        ar = base[r["temperature"]]
+        ar = base.get((r["temperature"], r.get("decode_batch")))
+        why = ("not decoded in turn with the baseline (cached from another run)" if ar is None else
+               "ran on other prompts than the baseline" if any(
+                   r["datasets"][ds]["num_prompts"] != ar[ds]["num_prompts"] or not r["datasets"][ds]["num_prompts"]
+                   for ds in datasets) else "")
+        if why:
+            lines.append(f"{r['drafter']:14}{r['temperature']:>5.1f}  n/a: {why}")
+            continue
         row = {ds: r["datasets"][ds]["tokens_per_s"] / ar[ds]["tokens_per_s"] for ds in datasets}
         key = (r["drafter"], r["temperature"])
         macro[key] = sum(row.values()) / len(row)

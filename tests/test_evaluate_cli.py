@@ -62,3 +62,16 @@ def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
                for ds in base["datasets"]) / 3
     assert abs(macro[("mine", 1.0)] - want) < 1e-12 and mine["datasets"]["gsm8k"]["draft_s_median"] > 0
     assert main(["--draft", f"autoregressive={tmp_path / 'export'}", *args[2:]]) == 2  # the baseline's name
+
+
+def test_speedup_table_pairs_only_drafts_decoded_in_turn_with_the_baseline():
+    from launch.evaluate_draft import speedup_table
+
+    def res(name, tok_s, batch, prompts=2):
+        return {"drafter": name, "temperature": 1.0, "decode_batch": batch,
+                "datasets": {"a": {"tokens_per_s": tok_s, "num_prompts": prompts, "draft_s_median": 0.01}}}
+
+    text, macro = speedup_table([res("autoregressive", 10.0, "x"), res("new", 15.0, "x"), res("old", 30.0, "y"),
+                                 res("cut", 20.0, "x", prompts=1)])
+    assert macro == {("new", 1.0): 1.5}
+    assert "old" in text and "cached from another run" in text and "other prompts" in text

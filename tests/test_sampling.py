@@ -195,3 +195,6 @@ def test_sample_categorical_draws_each_row_from_its_distribution():
     one_hot = torch.nn.functional.one_hot(torch.tensor([0, 49, 7]), 50).float()
     assert sampling.sample_categorical(one_hot, g).tolist() == [0, 49, 7]
     assert sampling.sample_categorical(probs_V, g).shape == ()
+    for bad in (torch.zeros(2, 50), torch.full((2, 50), float("nan"))):
+        with pytest.raises(RuntimeError, match="no positive finite mass"):
+            sampling.sample_categorical(bad, g)
