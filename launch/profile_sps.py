@@ -112,6 +112,7 @@ def profile(target_name: str, batch_sizes: list[int], requests: int, context: in
     meta = {"target": target_name, "dtype": dtype_name, "hardware": hardware_name(dev), "device": str(dev),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "requests": requests,
             "context": context,
+            "interpolation": "linear",  # the forward runs B rows as they are: no bucket to pad to between sizes
             "method": (f"one batched HF forward (logits for every new token) over B new tokens of {requests} "
                        f"request(s), each with a {context}-token KV context in one DynamicCache; a step computes "
                        f"R*ceil(B/R) rows; median of {repeats} steps after {warmup} warm-up "

@@ -17,6 +17,10 @@ streams are cycled, so a sweep can run longer than the recording, and with R > S
 in several slots at once). Each engine step the policy chooses ℓ_R; the step emits min(n_r, ℓ_r) + 1 tokens for
 request r and takes 1/SPS(B) seconds with B = Σ_r (ℓ_r + 1), plus draft_time_s(positions drafted): all K for the
 confidence policies (the confidences come from drafting every position), γ for a static-γ drafter.
+The policies plan with that same whole step: they are given engine_sps(B) = 1 / (1/SPS(B) + draft time), the
+curve a serving engine measures when a step drafts and verifies (DESIGN.md's SPS(B) is the engine's). Planning
+with the target's curve alone undervalues each verified token whenever drafting takes a fixed share of the step
+(on the 2-core CPU a 1-layer draft costs about half a B = 1 target step).
 
 Staleness of the asynchronous policy: its "stale" input for slot r is the confidences the slot had two engine
 steps earlier (even when a new request has since taken the slot: the engine's double buffer is per slot). In
@@ -54,7 +58,8 @@ class RecordedRound:
 @dataclass(frozen=True)
 class Policy:
     name: str
-    choose: Callable[[np.ndarray, np.ndarray, SPSTable], np.ndarray]  # (conf_RK, stale_conf_RK, sps) -> ell_R
+    # (conf_RK, stale_conf_RK, sps) -> ell_R; sps(B) is the engine's whole step rate (simulate: engine_sps)
+    choose: Callable[[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]], np.ndarray]
     draft_positions: int | None = None  # positions drafted per round; None = all K
 
 
@@ -106,6 +111,14 @@ def _stream_arrays(streams: Sequence[Sequence[RecordedRound]]) -> tuple[list[np.
     return conf, n, Ks.pop()
 
 
+def engine_curve(sps: SPSTable, draft_s: float) -> Callable[[np.ndarray], np.ndarray]:
+    """Steps per second of a whole engine step at B verified tokens: the target's 1/SPS(B) plus `draft_s` of
+    drafting (vectorised over B, as the policies call it)."""
+    if not draft_s >= 0:
+        raise ValueError(f"draft time must be >= 0 seconds, got {draft_s!r}")
+    return lambda B: 1.0 / (np.asarray(sps.step_time(B)) + draft_s)
+
+
 def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SPSTable, concurrency: int,
              draft_time_s: Callable[[int], float], num_steps: int) -> SimResult:
     """Replay `num_steps` engine steps with `concurrency` requests active at once (see the module docstring)."""
@@ -120,12 +133,13 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
     tok_R = np.zeros(R, dtype=np.int64)
     next_stream = R
     history: list[np.ndarray] = []  # conf_RK of the last two steps, oldest first
+    engine_sps = engine_curve(sps, float(draft_time_s(drafted)))
     now, tokens, sum_ell, sum_B, finished = 0.0, 0, 0, 0, []
     for _ in range(num_steps):
         conf_RK = np.stack([conf_streams[s][p] for s, p in zip(stream_R, pos_R)])
         n_R = np.array([n_streams[s][p] for s, p in zip(stream_R, pos_R)])
         stale_RK = history[0] if len(history) == 2 else conf_RK  # two steps old; the current ones at the start
-        ell_R = np.asarray(policy.choose(conf_RK, stale_RK, sps))
+        ell_R = np.asarray(policy.choose(conf_RK, stale_RK, engine_sps))
         if ell_R.shape != (R,) or ell_R.min() < 0 or ell_R.max() > K:
             raise ValueError(f"policy {policy.name!r} returned {ell_R.tolist()}; need {R} lengths in 0..{K}")
         emitted_R = np.minimum(n_R, ell_R) + 1

@@ -3,10 +3,14 @@
 B is the number of tokens one engine step verifies, B = Σ_r (ℓ_r + 1) over the R active requests; one step takes
 1/SPS(B) seconds. The table is measured once per (target, dtype, hardware) and stored as JSON.
 
-Lookup rule (`SPSTable.__call__`):
-- inside the table B is rounded UP to the next measured size (a step function), because a GPU engine pads a batch
-  to the next CUDA-graph bucket, so the padding is physical there; measure every size the engine can run at
-  (e.g. every bucket) for this to be exact;
+Lookup rule (`SPSTable.__call__`), by the table's meta "interpolation":
+- "step" (the default, and what an engine with CUDA-graph buckets needs): inside the table B is rounded UP to the
+  next measured size, because such an engine pads a batch to the next bucket, so the padding is physical there;
+  measure every size the engine can run at (every bucket) for this to be exact;
+- "linear": the step TIME is interpolated linearly between measured sizes. For a forward that runs B tokens as
+  they are (no padding: what launch/profile_sps.py measures, on CPU or GPU, at a sparse grid of sizes), rounding
+  up would charge B = 9 as much as the next measured 16 and put a cliff into the table that the engine does not
+  have (and that stops Algorithm 1's greedy early);
 - above the last measured size the step TIME is extrapolated linearly from the last two measured sizes (compute
   bound regime: time grows with tokens); a negative slope from measurement noise is clamped to 0;
 - B < 1 is a ValueError.
@@ -31,7 +35,9 @@ import numpy as np
 
 from serving._io import atomic_write_json, read_json
 
-__all__ = ["REQUIRED_META", "SPSTable", "measure_sps"]
+__all__ = ["INTERPOLATIONS", "REQUIRED_META", "SPSTable", "measure_sps"]
+
+INTERPOLATIONS = ("step", "linear")  # meta "interpolation": how SPSTable looks up B between measured sizes
 
 REQUIRED_META = ("target", "dtype", "hardware", "date", "method")  # what a stored table must say about itself
 
@@ -52,6 +58,10 @@ class SPSTable:
         self.batch_sizes = b.astype(np.int64)
         self.steps_per_s = s
         self.meta = dict(meta or {})
+        self.interpolation = self.meta.get("interpolation", "step")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"SPS table meta interpolation must be one of {list(INTERPOLATIONS)}, "
+                             f"got {self.interpolation!r}")
         t = 1.0 / s
         # seconds per extra token above the last measured size (0 with one point: no slope to extrapolate from)
         self._slope = max(0.0, (t[-1] - t[-2]) / (b[-1] - b[-2])) if b.size > 1 else 0.0
@@ -65,7 +75,8 @@ class SPSTable:
         idx = np.searchsorted(sizes, B_arr, side="left")  # first measured size >= B: round up
         inside = idx < sizes.size
         above = t[-1] + self._slope * (B_arr - sizes[-1])
-        out = np.where(inside, t[np.minimum(idx, sizes.size - 1)], above)
+        within = t[np.minimum(idx, sizes.size - 1)] if self.interpolation == "step" else np.interp(B_arr, sizes, t)
+        out = np.where(inside, within, above)
         return float(out) if out.ndim == 0 else out
 
     def __call__(self, B: int | np.ndarray) -> float | np.ndarray:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launch import profile_sps
 from pipeline.target_model import load_target, resolve_target_path
 from serving.sps import REQUIRED_META, SPSTable
@@ -23,8 +25,10 @@ def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path, capsys):
     assert all(k in table.meta for k in REQUIRED_META)
     assert table.meta["target"] == "tiny-qwen3-moe" and table.meta["dtype"] == "float32"
     assert table.meta["requests"] == 2 and table.meta["context"] == 16 and "R*ceil(B/R)" in table.meta["method"]
+    assert table.interpolation == "linear"  # a plain forward pads to no bucket
     assert json.loads(out.read_text())["batch_sizes"] == [2, 3, 8]
-    assert table(5) == table.steps_per_s[2]  # inside the table B rounds up to the next measured size
+    t3, t8 = 1 / table.steps_per_s[1], 1 / table.steps_per_s[2]  # inside the table: linear in the step time
+    assert table.step_time(5) == pytest.approx(t3 + (t8 - t3) * 2 / 5)
 
 
 def test_engine_step_keeps_the_context_and_runs_rectangular_batches():

@@ -19,6 +19,7 @@ from serving.simulator import (
     RecordedRound,
     algorithm1_policy,
     async_policy,
+    engine_curve,
     pareto_plot,
     simulate,
     static_policy,
@@ -57,7 +58,7 @@ def test_static_gamma_drafts_gamma_positions_and_counts_unfinished_requests():
     drafted = []
     res = simulate([S0], static_policy(1), SPS, concurrency=1, draft_time_s=lambda g: drafted.append(g) or 0.001,
                    num_steps=3)
-    assert drafted == [1, 1, 1]
+    assert drafted == [1, 1, 1, 1]  # once for the policies' engine curve, then once per step
     # ℓ = 1, B = 2 → 20 ms + 1 ms per step; tokens min(2, 1) + 1 = 2, min(0, 1) + 1 = 1, then S0[0] again: 2
     assert res.tokens == 5 and res.time_s == pytest.approx(0.063)
     # finished: 3 tokens in 0.042 s; still running at the horizon: 2 tokens in 0.021 s
@@ -65,7 +66,7 @@ def test_static_gamma_drafts_gamma_positions_and_counts_unfinished_requests():
     assert res.per_user_tokens_per_s == pytest.approx((3 / 0.042 + 2 / 0.021) / 2)
     drafted.clear()
     simulate([S0], algorithm1_policy(), SPS, 1, lambda g: drafted.append(g) or 0.0, num_steps=2)
-    assert drafted == [2, 2]  # the confidence policies draft every position
+    assert drafted == [2, 2, 2]  # the confidence policies draft every position
 
 
 def random_streams(seed: int, num: int, length: int, K: int = 5) -> list[list[RecordedRound]]:
@@ -162,3 +163,26 @@ def test_serving_is_pure():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]"
+
+
+def test_policies_plan_with_the_whole_engine_step():
+    """A step costs the target's verify plus the drafting; Algorithm 1 is given that curve, so a fixed drafting
+    cost makes it verify more (each step's overhead is shared by more tokens) and never loses to planning
+    without it."""
+    sps = SPSTable([1, 2, 4, 8, 16], [100.0, 60.0, 40.0, 25.0, 14.0])  # a steep, CPU-like curve
+    curve = engine_curve(sps, 0.02)
+    B = np.array([1, 3, 16])
+    assert np.allclose(curve(B), 1.0 / (sps.step_time(B) + 0.02))
+    streams = random_streams(3, num=6, length=60)
+
+    def planned_without_drafting(c, s, engine_sps):
+        return policies.algorithm1(c, sps)
+
+    naive = Policy("Algorithm 1 on the target's curve", planned_without_drafting)
+    fast, slow = (simulate(streams, algorithm1_policy(), sps, 4, lambda g, d=d: d, 60) for d in (0.0, 0.05))
+    blind = simulate(streams, naive, sps, 4, lambda g: 0.05, 60)
+    assert slow.mean_verify_len > fast.mean_verify_len
+    assert blind.mean_verify_len == pytest.approx(fast.mean_verify_len)  # the same plan as with free drafting
+    assert slow.tokens_per_s >= blind.tokens_per_s
+    with pytest.raises(ValueError, match="draft time"):
+        simulate(streams, algorithm1_policy(), sps, 2, lambda g: -1.0, 5)

@@ -27,6 +27,16 @@ def test_step_function_rounds_up_to_the_next_measured_size():
     assert isinstance(sps(3), float)
 
 
+def test_linear_tables_interpolate_the_step_time_between_measured_sizes():
+    sps = SPSTable([1, 4, 8, 16], [100.0, 100.0, 50.0, 25.0], {**META, "interpolation": "linear"})
+    # 20 ms at 8, 40 ms at 16: B = 9 costs 22.5 ms, not the 40 ms a step table charges
+    assert sps.step_time(9) == pytest.approx(0.0225) and table().step_time(9) == pytest.approx(0.040)
+    assert [sps.step_time(b) for b in (1, 4, 8, 16)] == [table().step_time(b) for b in (1, 4, 8, 16)]
+    assert sps.step_time(20) == pytest.approx(0.050)  # the same extrapolation above the table
+    with pytest.raises(ValueError, match="interpolation"):
+        SPSTable([1, 2], [10.0, 5.0], {**META, "interpolation": "cubic"})
+
+
 def test_step_time_extrapolates_linearly_above_the_last_size():
     sps = table()
     # slope from (8, 20 ms) to (16, 40 ms): 2.5 ms per token; B = 20 → 40 + 4·2.5 = 50 ms
