@@ -18,7 +18,8 @@ forwards, the draft's own time, bookkeeping), the latency-matched depth, and the
 Every stage is cached in --work-dir, so a re-run resumes where it stopped. The last line is
 `tau_ratio dspark/dflash=X dspark/eagle3=Y` (macro-average τ over the datasets, temperature 1.0).
 
-Run: python bench/drafters.py --scale cpu      (≤ 2 hours on 2 cores for the first three; every drafter by default)
+Run: python bench/drafters.py --scale cpu      (every drafter by default: about 2.5 hours on 2 cores from nothing,
+                                                  of which the data stage is 25-40 min and one T 17 min)
      python bench/drafters.py --scale cpu --drafters dspark dflash eagle3   (the original three only)
      python bench/drafters.py --scale cpu --work-dir runs/drafters-long --steps 300 --drafters dspark dflash
      python bench/drafters.py --scale gpu --time-budget 480   (one GPU: larger data, longer training)
