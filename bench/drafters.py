@@ -84,6 +84,11 @@ DRAFTERS = {
 LATENCY_DEPTHS = range(1, 13)  # DSpark depths timed against Eagle3 for dspark-lat
 
 
+def reads_real_text(name: str) -> bool:
+    """The drafter trains on the embedded corpus, not on the data stage's regenerated rows."""
+    return "data.source=default" in DRAFTERS[name]
+
+
 def stage_data(work: Path, s: dict, log) -> Path:
     from pipeline.prompt_sets import training_prompts
 
@@ -135,7 +140,7 @@ def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int, extra:
     # `extra` (the latency-matched depth) after the user's --set: a depth probe must build the depth it times
     cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml", [*common, *DRAFTERS[name], *s.get("overrides", []),
                                                                  *extra])
-    if name == "dspark-real":  # one pass over fresh rows: as many as the steps consume
+    if reads_real_text(name):  # one pass over fresh rows: as many as the steps consume
         cfg.data.num_samples = steps * cfg.data.samples_per_batch * cfg.cluster.num_trainers * cfg.train.grad_accum
     return cfg
 
@@ -186,8 +191,9 @@ def stage_latency(work: Path, data: Path, s: dict, log) -> dict:
     context, repeats = 192, 15
     key = {"scale": {k: s[k] for k in ("draft_layers", "use_gpu", "target_dtype")}, "overrides": s.get("overrides", []),
            "depths": list(LATENCY_DEPTHS), "context": context, "gamma": GAMMA}
-    if path.is_file() and json.loads(path.read_text()).get("key") == key:
-        return json.loads(path.read_text())
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if cached.get("key") == key:
+        return cached
     device = torch.device("cuda" if s["use_gpu"] else "cpu")
     target, _ = load_target(resolve_target_path("smollm2"),
                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -250,10 +256,11 @@ def cost_table(work: Path, names: list[str], macro: dict, use_gpu: bool, tempera
         if (name, temperature) not in macro or not steps:
             continue
         train_h = sum(r.get("step_time_s", 0.0) for r in steps.values()) / 3600
-        cost = scale * ((0.0 if name == "dspark-real" else data_h) + train_h)
+        data_cost, train_cost = scale * (0.0 if reads_real_text(name) else data_h), scale * train_h
         tau = macro[(name, temperature)]
-        lines.append(f"{name:12}{scale * (0.0 if name == 'dspark-real' else data_h):>11.2f}{scale * train_h:>12.2f}"
-                     f"{tau:>10.3f}{(tau - 1) / cost if cost > 0 else float('nan'):>13.3f}")
+        cost = data_cost + train_cost
+        lines.append(f"{name:12}{data_cost:>11.2f}{train_cost:>12.2f}{tau:>10.3f}"
+                     f"{(tau - 1) / cost if cost > 0 else float('nan'):>13.3f}")
     return "\n".join(lines)
 
 

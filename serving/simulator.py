@@ -133,7 +133,8 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
     tok_R = np.zeros(R, dtype=np.int64)
     next_stream = R
     history: list[np.ndarray] = []  # conf_RK of the last two steps, oldest first
-    engine_sps = engine_curve(sps, float(draft_time_s(drafted)))
+    draft_s = float(draft_time_s(drafted))  # the same every step: the policy drafts the same positions
+    engine_sps = engine_curve(sps, draft_s)
     now, tokens, sum_ell, sum_B, finished = 0.0, 0, 0, 0, []
     for _ in range(num_steps):
         conf_RK = np.stack([conf_streams[s][p] for s, p in zip(stream_R, pos_R)])
@@ -144,7 +145,7 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
             raise ValueError(f"policy {policy.name!r} returned {ell_R.tolist()}; need {R} lengths in 0..{K}")
         emitted_R = np.minimum(n_R, ell_R) + 1
         B = int((ell_R + 1).sum())
-        now += float(sps.step_time(B)) + float(draft_time_s(drafted))
+        now += float(sps.step_time(B)) + draft_s
         tokens += int(emitted_R.sum())
         sum_ell += int(ell_R.sum())
         sum_B += B

@@ -58,7 +58,7 @@ def test_static_gamma_drafts_gamma_positions_and_counts_unfinished_requests():
     drafted = []
     res = simulate([S0], static_policy(1), SPS, concurrency=1, draft_time_s=lambda g: drafted.append(g) or 0.001,
                    num_steps=3)
-    assert drafted == [1, 1, 1, 1]  # once for the policies' engine curve, then once per step
+    assert drafted == [1]  # static γ drafts γ positions (the same every step: asked once)
     # ℓ = 1, B = 2 → 20 ms + 1 ms per step; tokens min(2, 1) + 1 = 2, min(0, 1) + 1 = 1, then S0[0] again: 2
     assert res.tokens == 5 and res.time_s == pytest.approx(0.063)
     # finished: 3 tokens in 0.042 s; still running at the horizon: 2 tokens in 0.021 s
@@ -66,7 +66,7 @@ def test_static_gamma_drafts_gamma_positions_and_counts_unfinished_requests():
     assert res.per_user_tokens_per_s == pytest.approx((3 / 0.042 + 2 / 0.021) / 2)
     drafted.clear()
     simulate([S0], algorithm1_policy(), SPS, 1, lambda g: drafted.append(g) or 0.0, num_steps=2)
-    assert drafted == [2, 2, 2]  # the confidence policies draft every position
+    assert drafted == [2]  # the confidence policies draft every position
 
 
 def random_streams(seed: int, num: int, length: int, K: int = 5) -> list[list[RecordedRound]]:
