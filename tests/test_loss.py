@@ -104,9 +104,13 @@ def test_position_weights_and_expected_tau():
         position_weights(valid, 0.0)
 
 
+@pytest.mark.parametrize("cache_rows", [None, 3])
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 1000])
 @pytest.mark.parametrize("markov", [True, False])
-def test_chunked_equals_naive_values_and_grads(chunk_rows, markov):
+def test_chunked_equals_naive_values_and_grads(monkeypatch, chunk_rows, markov, cache_rows):
+    """cache_rows=3: the CPU's cache-sized row blocks inside a chunk (at V = 37 the default is one block)."""
+    if cache_rows is not None:
+        monkeypatch.setattr("draft_model.loss.CACHE_BYTES", cache_rows * V * 4)
     cfg = LossConfig(chunk_rows=chunk_rows)
     results = {}
     for naive in (True, False):
@@ -139,11 +143,15 @@ def test_chunked_backward_passes_gradcheck():
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6, fast_mode=True)
 
 
+@pytest.mark.parametrize("cache_rows", [None, 1])
 @pytest.mark.parametrize("objective", ["total", "ce_only", "mixed", "total_twice"])
-def test_fused_and_recompute_backward_paths(monkeypatch, objective):
+def test_fused_and_recompute_backward_paths(monkeypatch, objective, cache_rows):
     """total() takes the fused path (no logits recomputed in backward); any other combination of the terms
-    recomputes; both equal the naive gradients."""
+    recomputes; both equal the naive gradients (also with one-row cache blocks: float64 rows of V = 37)."""
     from draft_model import loss as loss_mod
+
+    if cache_rows is not None:
+        monkeypatch.setattr(loss_mod, "CACHE_BYTES", cache_rows * V * 8)
 
     cfg = LossConfig(chunk_rows=4, ce_weight=0.2, tv_weight=0.7)
 
