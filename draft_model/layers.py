@@ -78,8 +78,7 @@ class DraftBackbone(nn.Module):
         if batch.block_size != K:
             raise ValueError(f"BlockBatch has block size {batch.block_size}, the draft was built for {K}")
         dtype = self.mask_embed_D.dtype
-        ctx_TD = self.ctx_norm(self.ctx_proj(batch.ctx_feats_TF.to(dtype)))
-        ctx = AttnContext.build(batch, ctx_TD, self.cfg)
+        ctx = AttnContext.build(batch, self.cfg, lambda feats_UF: self.ctx_norm(self.ctx_proj(feats_UF.to(dtype))))
 
         anchor_ND = embed_VD[batch.anchor_ids_N()].to(dtype)
         N = anchor_ND.shape[0]

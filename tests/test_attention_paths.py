@@ -79,11 +79,15 @@ def test_full_context_groups_share_one_key_range_per_sequence():
         for n, (s, p) in enumerate(BLOCKS):
             r, b = divmod(int(lay.slot_of_N[n]), B)
             assert int(lay.block_RB[r, b]) == n
-            rows = lay.key_row_RC[r][lay.mask_R1QL[r, 0, b * K, :C]].tolist()
+            rows = lay.ctx_row_U[lay.key_row_RC[r][lay.mask_R1QL[r, 0, b * K, :C]]].tolist()
             lo = max(0, p - window) if window else 0
             assert rows == list(range(starts[s] + lo, starts[s] + p)), (n, window)
             own = lay.mask_R1QL[r, 0, b * K:(b + 1) * K, C:]
             assert own[:, b * K:(b + 1) * K].all() and own.sum() == K * K  # own slots only
+        # the context rows computed are exactly the ones some block reads: the union of the windows
+        read = sorted({int(starts[s]) + q for s, p in BLOCKS for q in range(max(0, p - window) if window else 0, p)})
+        assert lay.ctx_row_U.tolist() == read, window
+    assert len(swa.ctx_row_U) < len(full.ctx_row_U) < sum(SEQ_LENS)
 
 
 def test_packer_ships_host_indices_and_stale_ones_are_dropped():
