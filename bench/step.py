@@ -1,7 +1,8 @@
 """The draft's training step, old against new, on the same packed batches: step time, peak memory, FLOP/s.
 
 Run: python bench/step.py                  (CPU: 4 sequences x 4096 tokens, 32 anchors each, V = 49152)
-     python bench/step.py --seq-len 1024 --steps 2   (a quick one)
+     python bench/step.py --seq-len 1024 --steps 2 --repeats 1   (a quick one)
+     python bench/step.py --presets swa     (one preset: its own ratio line, not the figure line)
 
 Two presets, shrunk to CPU width but at a long context: `full_ctx` (dspark-markov: dense, full context, γ = 7)
 and `swa` (v4: MoE + mHC + SWA 128, γ = 5). For each, "old" is the step as it was before this work: the code of
@@ -9,11 +10,13 @@ commit OLD_REV (below), exported with `git archive` into a temporary directory a
 gathers its own context window, RoPE tables per call, `loss.chunk_rows=64`, the earlier loss kernel); outside a git
 checkout it falls back to this tree's reference path (`draft.attn_impl=gather`, chunk 64) and says so. "new" is this
 tree's default (`attn_impl=packed`: one context range per sequence, a mask built once per forward and shared by the
-layers; RoPE tables once per forward; host-side indices; fewer passes in the vocabulary loss; the larger default
-loss chunk). Both see the same seeded batch and weights. Each variant runs in two fresh subprocesses, each building
-the model and batch and taking one warm-up step: one times --steps steps (forward, backward, AdamW); the other
-resets the kernel's peak-RSS mark and takes one step with glibc's mmap threshold pinned (so freed tensors leave the
-RSS): peak memory is the RSS peak above what was resident before that step.
+layers; context keys only for the rows some block reads; RoPE tables once per forward; host-side indices; the
+vocabulary loss's elementwise chain in cache-sized row blocks; the larger default loss chunk). Both see the same
+seeded batch and weights. Every measurement is a fresh subprocess that builds the model and batch and takes one
+warm-up step. Timing: --repeats rounds, each timing --steps steps (forward, backward, AdamW) of old and then new,
+so that a slow stretch of a shared machine slows both; a variant's time is its median over the rounds. Memory: one
+more process per variant resets the kernel's peak-RSS mark and takes one step with glibc's mmap threshold pinned
+(so freed tensors leave the RSS): peak memory is the RSS peak above what was resident before that step.
 
 FLOP/s: torch.utils.flop_counter counts the new step's matmul/attention FLOPs (including the masked-out parts of
 each group's attention tile, which the kernel computes); util = those FLOP/s over the fp32 matmul rate of this
@@ -143,24 +146,18 @@ def old_tree(tmp: str) -> str:
         return REPO
 
 
-def measure(args: argparse.Namespace, preset: str, variant: str, tmp: str) -> dict:
-    """Two fresh processes: one times the steps (the normal allocator), one measures the peak memory of a step
-    with glibc's mmap threshold pinned (then freed tensors leave the RSS, but every large allocation is a fresh
-    mmap, which would distort the timing)."""
-    code = args.old_code if variant == "old" else REPO
-    timing = _child(args, preset, variant, code, tmp, memory=False)
-    memory = _child(args, preset, variant, code, tmp, memory=True)
-    return {**timing, "peak_bytes": memory["peak_bytes"], "exact_peak": memory["exact_peak"]}
-
-
-def _child(args: argparse.Namespace, preset: str, variant: str, code: str, tmp: str, memory: bool) -> dict:
+def _child(args: argparse.Namespace, preset: str, variant: str, code: str, tmp: str, memory: bool,
+           flops: bool = False) -> dict:
+    """One fresh process: it either times --steps steps (the normal allocator) or measures the peak memory of one
+    step with glibc's mmap threshold pinned (then freed tensors leave the RSS, but every large allocation is a
+    fresh mmap, which would distort the timing)."""
     out = os.path.join(tmp, f"{preset}_{variant}_{int(memory)}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--code", code, "--out", out, "--preset", preset,
            "--variant",
            variant, "--seqs", str(args.seqs), "--seq-len", str(args.seq_len), "--anchors", str(args.anchors),
            "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--steps", str(args.steps),
            "--threads", str(args.threads)]
-    cmd += ["--memory"] if memory else (["--count-flops"] if variant == "new" else [])
+    cmd += ["--memory"] if memory else (["--count-flops"] if flops else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if memory else dict(os.environ)
     subprocess.run(cmd, check=True, env=env)
     with open(out) as f:
@@ -186,6 +183,9 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--presets", nargs="+", choices=("full_ctx", "swa"), default=["full_ctx", "swa"],
+                   help="both for the figure line")
     p.add_argument("--preset", choices=("full_ctx", "swa"), help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=("old", "new"), help=argparse.SUPPRESS)
     p.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
@@ -201,11 +201,30 @@ def main() -> None:
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         args.old_code = old_tree(tmp)
-        for preset in ("full_ctx", "swa"):
-            for variant in ("old", "new"):
-                r = res[preset, variant] = measure(args, preset, variant, tmp)
-                print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step  peak {r['peak_bytes'] / GIB:6.3f} GiB  "
-                      f"loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)
+        # timing rounds interleave old and new, so that a slow minute on a shared machine hits both alike; the
+        # step time of a variant is its median over the rounds
+        times = {(p, v): [] for p in args.presets for v in ("old", "new")}
+        for rnd in range(args.repeats):
+            for preset in args.presets:
+                for variant in ("old", "new"):
+                    r = _child(args, preset, variant, args.old_code if variant == "old" else REPO, tmp,
+                               memory=False, flops=variant == "new" and rnd == 0)
+                    times[preset, variant].append(r["seconds"])
+                    res.setdefault((preset, variant), r)
+                    print(f"round {rnd + 1}/{args.repeats} {preset:<9}{variant:<4} {r['seconds']:7.2f} s/step",
+                          flush=True)
+        for (preset, variant), r in res.items():
+            memory = _child(args, preset, variant, args.old_code if variant == "old" else REPO, tmp, memory=True)
+            r.update(seconds=float(np.median(times[preset, variant])), peak_bytes=memory["peak_bytes"],
+                     exact_peak=memory["exact_peak"])
+            print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step (median)  peak {r['peak_bytes'] / GIB:6.3f} GiB"
+                  f"  loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)
+    if len(args.presets) < 2:
+        for preset in args.presets:
+            old, new = res[preset, "old"], res[preset, "new"]
+            print(f"{preset} time old/new={old['seconds'] / new['seconds']:.2f} "
+                  f"peak_mem old/new={old['peak_bytes'] / max(new['peak_bytes'], 1):.2f}")
+        return
     print(f"\n{args.seqs} sequences x {args.seq_len} tokens, {args.anchors} anchors each, V={args.vocab} "
           f"D={args.hidden}, {args.threads} threads; fp32 matmul rate {rate / 1e9:.1f} GFLOP/s")
     for preset in ("full_ctx", "swa"):
