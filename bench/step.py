@@ -14,9 +14,11 @@ layers; context keys only for the rows some block reads; RoPE tables once per fo
 vocabulary loss's elementwise chain in cache-sized row blocks; the larger default loss chunk). Both see the same
 seeded batch and weights. Every measurement is a fresh subprocess that builds the model and batch and takes one
 warm-up step. Timing: --repeats rounds, each timing --steps steps (forward, backward, AdamW) of old and then new,
-so that a slow stretch of a shared machine slows both; a variant's time is its median over the rounds. Memory: one
-more process per variant resets the kernel's peak-RSS mark and takes one step with glibc's mmap threshold pinned
-(so freed tensors leave the RSS): peak memory is the RSS peak above what was resident before that step.
+so that a slow stretch of a shared machine slows both; a variant's time is its median over the rounds. Each round
+also times "new" with `loss.matmul_dtype=bfloat16` (not the default: its own line, never the figure line).
+Memory: one more process per variant resets the kernel's peak-RSS mark and takes one step with glibc's mmap
+threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above what was resident before that
+step.
 
 FLOP/s: torch.utils.flop_counter counts the new step's matmul/attention FLOPs (including the masked-out parts of
 each group's attention tile, which the kernel computes); util = those FLOP/s over the fp32 matmul rate of this
@@ -46,6 +48,9 @@ if "--child" not in sys.argv:  # a child imports the draft code from the tree it
 
 GIB = 1024**3
 OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
+# "bf16" is the new step with loss.matmul_dtype=bfloat16: timed beside the others, reported on its own line, never in
+# the figure line (it changes the loss's precision: see README)
+VARIANTS = ("old", "new", "bf16")
 
 
 def _cfg(preset: str, variant: str, hidden: int, in_tree_old: bool):
@@ -56,7 +61,7 @@ def _cfg(preset: str, variant: str, hidden: int, in_tree_old: bool):
     cfg = replace(cfg, hidden_size=hidden, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=3 * hidden,
                   head_rank=64, mhc_streams=4,
                   moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_intermediate_size=hidden))
-    if variant == "new" or in_tree_old:
+    if variant != "old" or in_tree_old:
         cfg = replace(cfg, attn_impl="gather" if variant == "old" else "packed")
     return cfg
 
@@ -100,7 +105,9 @@ def child(args: argparse.Namespace) -> None:
     model = DraftModel(cfg, embed, lm_head)
     torch.nn.init.normal_(model.head.w2_RV, std=0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_cfg = LossConfig(chunk_rows=64 if args.variant == "old" else LossConfig().chunk_rows)
+    loss_cfg = LossConfig(chunk_rows=64) if args.variant == "old" else LossConfig()
+    if args.variant == "bf16":  # not the default: the loss's LM-head matmuls in bf16 (loss.matmul_dtype)
+        loss_cfg = replace(loss_cfg, matmul_dtype="bfloat16")
     batch = _batch(cfg, args.seqs, args.seq_len, args.anchors, args.vocab, seed=2)
     first_loss = None
 
@@ -187,7 +194,7 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", choices=("full_ctx", "swa"), default=["full_ctx", "swa"],
                    help="both for the figure line")
     p.add_argument("--preset", choices=("full_ctx", "swa"), help=argparse.SUPPRESS)
-    p.add_argument("--variant", choices=("old", "new"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -203,10 +210,10 @@ def main() -> None:
         args.old_code = old_tree(tmp)
         # timing rounds interleave old and new, so that a slow minute on a shared machine hits both alike; the
         # step time of a variant is its median over the rounds
-        times = {(p, v): [] for p in args.presets for v in ("old", "new")}
+        times = {(p, v): [] for p in args.presets for v in VARIANTS}
         for rnd in range(args.repeats):
             for preset in args.presets:
-                for variant in ("old", "new"):
+                for variant in VARIANTS:
                     r = _child(args, preset, variant, args.old_code if variant == "old" else REPO, tmp,
                                memory=False, flops=variant == "new" and rnd == 0)
                     times[preset, variant].append(r["seconds"])
@@ -214,11 +221,17 @@ def main() -> None:
                     print(f"round {rnd + 1}/{args.repeats} {preset:<9}{variant:<4} {r['seconds']:7.2f} s/step",
                           flush=True)
         for (preset, variant), r in res.items():
+            r["seconds"] = float(np.median(times[preset, variant]))
+            if variant == "bf16":
+                continue
             memory = _child(args, preset, variant, args.old_code if variant == "old" else REPO, tmp, memory=True)
-            r.update(seconds=float(np.median(times[preset, variant])), peak_bytes=memory["peak_bytes"],
-                     exact_peak=memory["exact_peak"])
+            r.update(peak_bytes=memory["peak_bytes"], exact_peak=memory["exact_peak"])
             print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step (median)  peak {r['peak_bytes'] / GIB:6.3f} GiB"
                   f"  loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)
+    for preset in args.presets:
+        old, bf16 = res[preset, "old"], res[preset, "bf16"]
+        print(f"{preset}: with loss.matmul_dtype=bfloat16 (not the default) time old/new "
+              f"{old['seconds'] / bf16['seconds']:.2f}, |loss diff| {abs(old['first_loss'] - bf16['first_loss']):.1e}")
     if len(args.presets) < 2:
         for preset in args.presets:
             old, new = res[preset, "old"], res[preset, "new"]

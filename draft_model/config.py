@@ -157,12 +157,17 @@ class LossConfig:
     conf_weight: float = 1.0
     decay_lambda: float = 4.0  # w_k = exp(-(k-1)/lambda), k = 1..gamma
     chunk_rows: int = 256  # block positions whose vocabulary-sized tensors are alive at once
+    # dtype of the loss's LM-head matmuls (softmaxes, CE and L1 are fp32 either way). bfloat16: about 2.8x faster
+    # matmuls on a CPU with AMX and tensor-core GPUs, half the chunk buffers, logits to bf16 input precision
+    matmul_dtype: str = "float32"
 
     def validate(self) -> None:
         if self.decay_lambda <= 0:
             raise ValueError(f"loss.decay_lambda must be > 0, got {self.decay_lambda}")
         if self.chunk_rows < 1:
             raise ValueError(f"loss.chunk_rows must be >= 1, got {self.chunk_rows}")
+        if self.matmul_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"loss.matmul_dtype must be float32 or bfloat16, got {self.matmul_dtype!r}")
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> list[int]:

@@ -92,24 +92,27 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor | None,
-            buf: Tensor | None = None) -> Tensor:
-    """LM-head logits of some rows, plus the sequential-head bias a @ W2 when given; written into the first rows
-    of `buf` when given (a chunk-sized buffer reused by every chunk)."""
-    out = None if buf is None else buf[:h_CD.shape[0]]
+            bufs: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
+    """LM-head logits of some rows in the accumulation dtype, plus the sequential-head bias a @ W2 when given.
+    With `bufs` (from `_chunk_buffers`, reused by every chunk) the product goes into the first rows of bufs[0]
+    and, when the matmul runs in a narrower dtype (bf16), is widened into bufs[1]."""
+    out, wide = (None, None) if bufs is None else (b if b is None else b[:h_CD.shape[0]] for b in bufs)
     if a_CR is None:
         z_CV = torch.mm(h_CD, lm_head_VD.T, out=out)
     else:
         z_CV = torch.mm(a_CR, w2_RV, out=out).addmm_(h_CD, lm_head_VD.T)  # in place: one C·V buffer, not three
-    return z_CV.to(_acc_dtype(z_CV.dtype))
+    return z_CV.to(_acc_dtype(z_CV.dtype)) if wide is None else wide.copy_(z_CV)
 
 
-def _chunk_buffers(h_MD: Tensor, lm_head_VD: Tensor, chunk_rows: int) -> tuple[Tensor, Tensor]:
-    """The draft's and the target's logit buffers, allocated once per pass and reused by every chunk. A fresh
-    256 x 49152 fp32 tensor is above glibc's largest mmap threshold (32 MiB), so each one was a new mapping whose
-    first touch page-faulted: 18 of the 52 ms of that chunk's matmul on the CI machine."""
-    rows = min(chunk_rows, h_MD.shape[0])
-    return (h_MD.new_empty(rows, lm_head_VD.shape[0], dtype=lm_head_VD.dtype),
-            h_MD.new_empty(rows, lm_head_VD.shape[0], dtype=lm_head_VD.dtype))
+def _chunk_buffers(h_MD: Tensor, lm_head_VD: Tensor, chunk_rows: int) -> list[tuple[Tensor, Tensor | None]]:
+    """The draft's and the target's logit buffers (matmul dtype, and fp32 when that is narrower), allocated once
+    per pass and reused by every chunk. A fresh 256 x 49152 fp32 tensor is above glibc's largest mmap threshold
+    (32 MiB), so each one was a new mapping whose first touch page-faulted: 18 of the 52 ms of that chunk's matmul
+    on the CI machine."""
+    rows, V, dtype = min(chunk_rows, h_MD.shape[0]), lm_head_VD.shape[0], lm_head_VD.dtype
+    acc = _acc_dtype(dtype)
+    return [(h_MD.new_empty(rows, V, dtype=dtype), None if acc == dtype else h_MD.new_empty(rows, V, dtype=acc))
+            for _ in range(2)]
 
 
 # On a CPU the chunk's elementwise chain (two softmaxes, about ten passes) runs CACHE_BYTES of each vocabulary-
@@ -168,12 +171,12 @@ class _VocabRowsLoss(torch.autograd.Function):
         ce_M = h_MD.new_empty(M, dtype=acc)
         l1_M = torch.empty_like(ce_M)
         grads = _Grads(h_MD, a_MR, w2_RV, need) if any(need) else None
-        z_buf, zt_buf = _chunk_buffers(h_MD, lm_head_VD, chunk_rows)
+        z_bufs, zt_bufs = _chunk_buffers(h_MD, lm_head_VD, chunk_rows)
         for lo in range(0, M, chunk_rows):
             c = slice(lo, lo + chunk_rows)
             a_CR = None if a_MR is None else a_MR[c]
-            z_CV = _logits(h_MD[c], lm_head_VD, a_CR, w2_RV, z_buf)
-            grad_z_CV = _chunk_terms(z_CV, _logits(target_MD[c], lm_head_VD, None, None, zt_buf), labels_M[c],
+            z_CV = _logits(h_MD[c], lm_head_VD, a_CR, w2_RV, z_bufs)
+            grad_z_CV = _chunk_terms(z_CV, _logits(target_MD[c], lm_head_VD, None, None, zt_bufs), labels_M[c],
                                      gw_ce_M[c], gw_l1_M[c], ce_M[c], l1_M[c], want_grad=grads is not None)
             if grads is not None:
                 grads.add(c, grad_z_CV, lm_head_VD, a_CR)
@@ -199,12 +202,12 @@ class _VocabRowsLoss(torch.autograd.Function):
             return (*grads.scaled(scale), None, None, None)
         grads = _Grads(h_MD, a_MR, w2_RV, (ctx.needs_input_grad[0], ctx.needs_input_grad[4],
                                             ctx.needs_input_grad[5]))
-        z_buf, zt_buf = _chunk_buffers(h_MD, lm_head_VD, ctx.chunk_rows)
+        z_bufs, zt_bufs = _chunk_buffers(h_MD, lm_head_VD, ctx.chunk_rows)
         for lo in range(0, h_MD.shape[0], ctx.chunk_rows):
             c = slice(lo, lo + ctx.chunk_rows)
             a_CR = None if a_MR is None else a_MR[c]
-            grad_z_CV = _chunk_terms(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV, z_buf),
-                                     _logits(target_MD[c], lm_head_VD, None, None, zt_buf), labels_M[c], g_ce_M[c],
+            grad_z_CV = _chunk_terms(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV, z_bufs),
+                                     _logits(target_MD[c], lm_head_VD, None, None, zt_bufs), labels_M[c], g_ce_M[c],
                                      g_l1_M[c])
             grads.add(c, grad_z_CV, lm_head_VD, a_CR)
         return (*grads.scaled(None), None, None, None)
@@ -221,10 +224,11 @@ class _Grads:
         self.w2_RV = torch.zeros_like(w2_RV, dtype=_acc_dtype(w2_RV.dtype)) if need[2] else None
 
     def add(self, c: slice, grad_z_CV: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None) -> None:
+        grad_mm_CV = grad_z_CV.to(lm_head_VD.dtype)  # the matmul dtype: one cast for both products
         if self.h_MD is not None:
-            self.h_MD[c] = grad_z_CV.to(self.h_MD.dtype) @ lm_head_VD
+            self.h_MD[c] = grad_mm_CV @ lm_head_VD
         if self.a_MR is not None:
-            self.a_MR[c] = grad_z_CV.to(self.a_MR.dtype) @ self.w2_in_RV.T
+            self.a_MR[c] = grad_mm_CV @ self.w2_in_RV.T
         if self.w2_RV is not None:
             self.w2_RV.addmm_(a_CR.to(grad_z_CV.dtype).T, grad_z_CV)  # no R·V temporary
 
@@ -301,9 +305,10 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
         return x_NK_.flatten(0, 1).index_select(0, idx_M)
 
     w_M = rows_of(w_NK)
-    # the vocabulary-sized work runs in the LM head's dtype (an autocast backbone may hand over another): no-op
-    # casts otherwise, so W2 stays the parameter itself
-    dtype = lm_head_VD.dtype
+    # the vocabulary-sized matmuls run in the LM head's dtype (an autocast backbone may hand over another): no-op
+    # casts otherwise, so W2 stays the parameter itself; or in bf16 when asked (cfg.matmul_dtype)
+    dtype = torch.bfloat16 if cfg.matmul_dtype == "bfloat16" else lm_head_VD.dtype
+    lm_head_VD = lm_head_VD.to(dtype)
     rows = (rows_of(hidden_NKD).to(dtype), rows_of(target_hidden_NKD).detach().to(dtype), lm_head_VD,
             rows_of(labels_NK).long(), None if head_factor_NKR is None else rows_of(head_factor_NKR).to(dtype),
             None if head_w2_RV is None else head_w2_RV.to(dtype))

@@ -349,3 +349,30 @@ def test_draft_loss_with_real_model_and_batch():
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.grad is not None for p in trainable if p is not model.head_w2())
     assert model.head_w2().grad.abs().sum() > 0 and model.lm_head_weight().grad is None
+
+
+@pytest.mark.parametrize("markov", [True, False])
+def test_bf16_matmuls_stay_close_to_fp32(markov):
+    """loss.matmul_dtype=bfloat16: the LM-head matmuls in bf16 (softmax, CE and L1 still fp32) give the fp32 loss
+    to bf16 precision and gradients pointing the same way; outputs and gradients stay fp32."""
+    results = {}
+    for matmul_dtype in ("float32", "bfloat16"):
+        x = make_inputs(seed=4, dtype=torch.float32, markov=markov, lengths=(5, 4, 0, 5, 2, 5, 1, 3))
+        parts = run(x, LossConfig(chunk_rows=4, matmul_dtype=matmul_dtype), grads=True)
+        parts.total().backward()
+        results[matmul_dtype] = (parts, {n: x[n].grad for n in ("hidden", "conf", "factor", "w2") if x[n] is not None})
+    (p32, g32), (p16, g16) = results["float32"], results["bfloat16"]
+    assert p16.ce_sum.dtype == torch.float32
+    for field in ("ce_sum", "tv_sum", "conf_sum"):
+        a, b = getattr(p32, field).item(), getattr(p16, field).item()
+        assert b == pytest.approx(a, rel=2e-2), field
+        assert b != a, field  # really a different (bf16) path
+    for name in g32:  # L1's gradient has sign(p_d - p_t): bf16 logits flip it where p_d ~ p_t, so compare directions
+        assert g16[name].dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(g16[name].flatten(), g32[name].flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
+
+
+def test_matmul_dtype_is_checked():
+    with pytest.raises(ValueError, match="matmul_dtype must be float32 or bfloat16"):
+        LossConfig(matmul_dtype="float16").validate()
