@@ -207,15 +207,19 @@ def main() -> None:
     rate = matmul_rate(args.threads)
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
-        args.old_code = old_tree(tmp)
+        old_code = old_tree(tmp)
+
+        def tree(variant: str) -> str:  # the code a variant imports: OLD_REV's for "old", this tree's otherwise
+            return old_code if variant == "old" else REPO
+
         # timing rounds interleave old and new, so that a slow minute on a shared machine hits both alike; the
         # step time of a variant is its median over the rounds
         times = {(p, v): [] for p in args.presets for v in VARIANTS}
         for rnd in range(args.repeats):
             for preset in args.presets:
                 for variant in VARIANTS:
-                    r = _child(args, preset, variant, args.old_code if variant == "old" else REPO, tmp,
-                               memory=False, flops=variant == "new" and rnd == 0)
+                    r = _child(args, preset, variant, tree(variant), tmp, memory=False,
+                               flops=variant == "new" and rnd == 0)
                     times[preset, variant].append(r["seconds"])
                     res.setdefault((preset, variant), r)
                     print(f"round {rnd + 1}/{args.repeats} {preset:<9}{variant:<4} {r['seconds']:7.2f} s/step",
@@ -224,7 +228,7 @@ def main() -> None:
             r["seconds"] = float(np.median(times[preset, variant]))
             if variant == "bf16":
                 continue
-            memory = _child(args, preset, variant, args.old_code if variant == "old" else REPO, tmp, memory=True)
+            memory = _child(args, preset, variant, tree(variant), tmp, memory=True)
             r.update(peak_bytes=memory["peak_bytes"], exact_peak=memory["exact_peak"])
             print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step (median)  peak {r['peak_bytes'] / GIB:6.3f} GiB"
                   f"  loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)

@@ -96,7 +96,10 @@ def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor
     """LM-head logits of some rows in the accumulation dtype, plus the sequential-head bias a @ W2 when given.
     With `bufs` (from `_chunk_buffers`, reused by every chunk) the product goes into the first rows of bufs[0]
     and, when the matmul runs in a narrower dtype (bf16), is widened into bufs[1]."""
-    out, wide = (None, None) if bufs is None else (b if b is None else b[:h_CD.shape[0]] for b in bufs)
+    out = wide = None
+    if bufs is not None:
+        n = h_CD.shape[0]
+        out, wide = bufs[0][:n], None if bufs[1] is None else bufs[1][:n]
     if a_CR is None:
         z_CV = torch.mm(h_CD, lm_head_VD.T, out=out)
     else:
