@@ -92,19 +92,17 @@ class MoE(nn.Module):
         order_P = torch.argsort(expert_P, stable=True)
         token_P = order_P // A  # token row of each sorted pair
         counts_E = torch.bincount(expert_P, minlength=E)
-        x_PD = x_TD[token_P]
+        x_PD = x_TD.index_select(0, token_P)  # backward index_add_, faster than x_TD[token_P]'s index_put_
         outs = []
-        start = 0
-        # unbind, not w[e]: the backward of one unbind stacks the experts' gradients once, where every w[e] would
-        # allocate and add a zero-filled [E, D, I] gradient of its own (measured 24 -> 17 ms per layer on a CPU)
+        # unbind and split, not w[e] and x[a:b]: the backward of one unbind (split) stacks (concatenates) the
+        # experts' gradients once, where every w[e] (slice) would allocate and add a zero-filled gradient of the
+        # whole tensor (measured 24 -> 17 ms per layer on a CPU for the weights)
         gate_DI, up_DI, down_ID = self.w_gate_EDI.unbind(0), self.w_up_EDI.unbind(0), self.w_down_EID.unbind(0)
-        for e, n in enumerate(counts_E.tolist()):  # loop over experts (few), never over tokens
-            if n == 0:
+        for e, xe in enumerate(x_PD.split(counts_E.tolist())):  # loop over experts (few), never over tokens
+            if xe.shape[0] == 0:
                 continue
-            xe = x_PD[start:start + n]
             h = F.silu(xe @ gate_DI[e]) * (xe @ up_DI[e])
             outs.append(h @ down_ID[e])
-            start += n
         y_PD = torch.cat(outs, dim=0) if outs else x_PD.new_zeros(0, D)
         w_P = weight_TA.reshape(-1)[order_P].to(y_PD.dtype)
         y_TD = torch.zeros_like(x_TD).index_add(0, token_P, y_PD * w_P[:, None])
