@@ -104,7 +104,8 @@ def child(args: argparse.Namespace) -> None:
     lm_head = torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5
     model = DraftModel(cfg, embed, lm_head)
     torch.nn.init.normal_(model.head.w2_RV, std=0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # the optimizer each tree's trainers build: torch's AdamW, fused since the step work (workers/trainer.py)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.variant != "old")
     loss_cfg = LossConfig(chunk_rows=64) if args.variant == "old" else LossConfig()
     if args.variant == "bf16":  # not the default: the loss's LM-head matmuls in bf16 (loss.matmul_dtype)
         loss_cfg = replace(loss_cfg, matmul_dtype="bfloat16")

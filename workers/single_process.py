@@ -65,7 +65,7 @@ class TorchEngine:
         self.module = module
         self.grad_accum, self.grad_clip = t.grad_accum, t.grad_clip
         self.optimizer = torch.optim.AdamW(param_groups(module, cfg), lr=t.lr, betas=tuple(t.betas),
-                                           weight_decay=t.weight_decay)
+                                           weight_decay=t.weight_decay, fused=True)  # as deepspeed_config's
         # LambdaLR's epoch e = scheduler steps taken = DeepSpeed's last_batch_iteration + 1
         ratio = partial(warmup_cosine_ratio, total_steps=t.max_steps, warmup_steps=max(t.warmup_steps, 1),
                         cos_min_ratio=t.min_lr_ratio)

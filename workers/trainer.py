@@ -49,9 +49,10 @@ def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, 
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
-        # torch's AdamW: no C++ op build on machines without a prebuilt FusedAdam
+        # torch's AdamW (no C++ op build on machines without a prebuilt FusedAdam), in its fused kernel (CPU and
+        # CUDA): one pass per tensor instead of about a dozen; on the CPU step bench's v4 draft 30 -> 9 ms per step
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "weight_decay": t.weight_decay,
-                                                  "torch_adam": True}},
+                                                  "torch_adam": True, "fused": True}},
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": t.max_steps, "warmup_num_steps": max(t.warmup_steps, 1),
             "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr_ratio, "warmup_type": "linear"}},
