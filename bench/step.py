@@ -1,7 +1,7 @@
 """The draft's training step, old against new, on the same packed batches: step time, peak memory, FLOP/s.
 
 Run: python bench/step.py                  (CPU: 4 sequences x 4096 tokens, 32 anchors each, V = 49152)
-     python bench/step.py --seq-len 1024 --steps 2 --repeats 1   (a quick one)
+     python bench/step.py --seq-len 1024 --steps 1 --repeats 1   (a quick one)
      python bench/step.py --presets swa     (one preset: its own ratio line, not the figure line)
 
 Two presets, shrunk to CPU width but at a long context: `full_ctx` (dspark-markov: dense, full context, γ = 7)
@@ -12,11 +12,12 @@ checkout it falls back to this tree's reference path (`draft.attn_impl=gather`, 
 tree's default (`attn_impl=packed`: one context range per sequence, a mask built once per forward and shared by the
 layers; context keys only for the rows some block reads; RoPE tables once per forward; host-side indices; the
 vocabulary loss's elementwise chain in cache-sized row blocks; the larger default loss chunk). Both see the same
-seeded batch and weights. Every measurement is a fresh subprocess that builds the model and batch and takes one
-warm-up step. Timing: --repeats rounds, each timing --steps steps (forward, backward, AdamW) of old and then new,
-so that a slow stretch of a shared machine slows both; a variant's time is its median over the rounds. Each round
-also times "new" with `loss.matmul_dtype=bfloat16` (not the default: its own line, never the figure line).
-Memory: one more process per variant resets the kernel's peak-RSS mark and takes one step with glibc's mmap
+seeded batch and weights, and the optimizer its tree's trainers build (torch's AdamW; fused in "new").
+Timing: per preset, one long-lived subprocess per variant builds the model and batch and takes one warm-up step;
+then the variants are asked in turn for --steps steps (forward, backward, AdamW), --repeats rounds, so that old and
+new run seconds apart and a slow stretch of the shared machine slows both; a variant's time is its median over the
+rounds. Each round also times "new" with `loss.matmul_dtype=bfloat16` (not the default: its own line, never the
+figure line). Memory: one more fresh process per variant resets the kernel's peak-RSS mark and takes one step with glibc's mmap
 threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above what was resident before that
 step.
 
@@ -128,16 +129,22 @@ def child(args: argparse.Namespace) -> None:
         with FlopCounterMode(display=False) as fc:
             step()
         flops = fc.get_total_flops()
+    info = {"first_loss": first_loss, "flops": flops, "blocks": batch.num_blocks}
+    if args.serve:  # timing: one line in ("N": time N steps), one line out (seconds per step), until stdin closes
+        print(json.dumps(info), flush=True)
+        for line in sys.stdin:
+            n = int(line)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            print((time.perf_counter() - t0) / n, flush=True)
+        return
     base_kib = rss_kib("VmRSS")
     exact = reset_peak()
-    t0 = time.perf_counter()
-    for _ in range(1 if args.memory else args.steps):
-        step()
-    seconds = (time.perf_counter() - t0) / (1 if args.memory else args.steps)
+    step()
     peak_kib = rss_kib("VmHWM") if exact else base_kib
     with open(args.out, "w") as f:
-        json.dump({"seconds": seconds, "peak_bytes": (peak_kib - base_kib) * 1024, "first_loss": first_loss,
-                   "flops": flops, "exact_peak": exact, "blocks": batch.num_blocks}, f)
+        json.dump({**info, "peak_bytes": (peak_kib - base_kib) * 1024, "exact_peak": exact}, f)
 
 
 def old_tree(tmp: str) -> str:
@@ -154,22 +161,44 @@ def old_tree(tmp: str) -> str:
         return REPO
 
 
-def _child(args: argparse.Namespace, preset: str, variant: str, code: str, tmp: str, memory: bool,
-           flops: bool = False) -> dict:
-    """One fresh process: it either times --steps steps (the normal allocator) or measures the peak memory of one
-    step with glibc's mmap threshold pinned (then freed tensors leave the RSS, but every large allocation is a
-    fresh mmap, which would distort the timing)."""
-    out = os.path.join(tmp, f"{preset}_{variant}_{int(memory)}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--code", code, "--out", out, "--preset", preset,
-           "--variant",
-           variant, "--seqs", str(args.seqs), "--seq-len", str(args.seq_len), "--anchors", str(args.anchors),
-           "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--steps", str(args.steps),
-           "--threads", str(args.threads)]
-    cmd += ["--memory"] if memory else (["--count-flops"] if flops else [])
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if memory else dict(os.environ)
-    subprocess.run(cmd, check=True, env=env)
+def _cmd(args: argparse.Namespace, preset: str, variant: str, code: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--child", "--code", code, "--preset", preset,
+            "--variant", variant, "--seqs", str(args.seqs), "--seq-len", str(args.seq_len),
+            "--anchors", str(args.anchors), "--vocab", str(args.vocab), "--hidden", str(args.hidden),
+            "--threads", str(args.threads)]
+
+
+def _memory(args: argparse.Namespace, preset: str, variant: str, code: str, tmp: str) -> dict:
+    """The peak memory of one step, in a fresh process with glibc's mmap threshold pinned (then freed tensors
+    leave the RSS, but every large allocation is a fresh mmap, which would distort a timing)."""
+    out = os.path.join(tmp, f"{preset}_{variant}.json")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    subprocess.run(_cmd(args, preset, variant, code) + ["--out", out], check=True, env=env)
     with open(out) as f:
         return json.load(f)
+
+
+class _Server:
+    """A child that has built its model and batch and taken its warm-up step, and times steps on request."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = json.loads(self._line())
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench child exited with {self.proc.wait()}")
+        return line
+
+    def time(self, steps: int) -> float:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def matmul_rate(threads: int, n: int = 2048, reps: int = 5) -> float:
@@ -189,15 +218,15 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds (median)")
     p.add_argument("--presets", nargs="+", choices=("full_ctx", "swa"), default=["full_ctx", "swa"],
                    help="both for the figure line")
     p.add_argument("--preset", choices=("full_ctx", "swa"), help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--code", help=argparse.SUPPRESS)
@@ -213,23 +242,30 @@ def main() -> None:
         def tree(variant: str) -> str:  # the code a variant imports: OLD_REV's for "old", this tree's otherwise
             return old_code if variant == "old" else REPO
 
-        # timing rounds interleave old and new, so that a slow minute on a shared machine hits both alike; the
-        # step time of a variant is its median over the rounds
-        times = {(p, v): [] for p in args.presets for v in VARIANTS}
-        for rnd in range(args.repeats):
-            for preset in args.presets:
+        # Timing: per preset, one long-lived child per variant (built and warmed up once), asked in turn for
+        # --steps steps, --repeats rounds; a variant's step time is its median over the rounds. Old and new steps
+        # then run seconds apart, so a slow stretch of the shared machine hits both alike.
+        for preset in args.presets:
+            servers = {}
+            try:
                 for variant in VARIANTS:
-                    r = _child(args, preset, variant, tree(variant), tmp, memory=False,
-                               flops=variant == "new" and rnd == 0)
-                    times[preset, variant].append(r["seconds"])
-                    res.setdefault((preset, variant), r)
-                    print(f"round {rnd + 1}/{args.repeats} {preset:<9}{variant:<4} {r['seconds']:7.2f} s/step",
-                          flush=True)
+                    cmd = _cmd(args, preset, variant, tree(variant)) + ["--serve"]
+                    servers[variant] = _Server(cmd + (["--count-flops"] if variant == "new" else []))
+                times = {v: [] for v in VARIANTS}
+                for rnd in range(args.repeats):
+                    for variant, server in servers.items():
+                        times[variant].append(server.time(args.steps))
+                    print(f"round {rnd + 1}/{args.repeats} {preset:<9}" + "  ".join(
+                        f"{v} {times[v][-1]:5.2f}" for v in VARIANTS) + " s/step", flush=True)
+            finally:
+                for server in servers.values():
+                    server.close()
+            for variant in VARIANTS:
+                res[preset, variant] = {**servers[variant].info, "seconds": float(np.median(times[variant]))}
         for (preset, variant), r in res.items():
-            r["seconds"] = float(np.median(times[preset, variant]))
             if variant == "bf16":
                 continue
-            memory = _child(args, preset, variant, tree(variant), tmp, memory=True)
+            memory = _memory(args, preset, variant, tree(variant), tmp)
             r.update(peak_bytes=memory["peak_bytes"], exact_peak=memory["exact_peak"])
             print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step (median)  peak {r['peak_bytes'] / GIB:6.3f} GiB"
                   f"  loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)
