@@ -17,9 +17,9 @@ Timing: per preset, one long-lived subprocess per variant builds the model and b
 then the variants are asked in turn for --steps steps (forward, backward, AdamW), --repeats rounds, so that old and
 new run seconds apart and a slow stretch of the shared machine slows both; a variant's time is its median over the
 rounds. Each round also times "new" with `loss.matmul_dtype=bfloat16` (not the default: its own line, never the
-figure line). Memory: one more fresh process per variant resets the kernel's peak-RSS mark and takes one step with glibc's mmap
-threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above what was resident before that
-step.
+figure line). Memory: one more fresh process per variant resets the kernel's peak-RSS mark and takes one step with
+glibc's mmap threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above what was resident
+before that step.
 
 FLOP/s: torch.utils.flop_counter counts the new step's matmul/attention FLOPs (including the masked-out parts of
 each group's attention tile, which the kernel computes); util = those FLOP/s over the fp32 matmul rate of this
