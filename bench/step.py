@@ -31,6 +31,7 @@ Last line: step full_ctx time old/new=X peak_mem old/new=Y swa time old/new=Z ut
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -197,7 +198,8 @@ class _Server:
         return float(self._line())
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a child that died already: keep its own error, not this one
+            self.proc.stdin.close()
         self.proc.wait()
 
 
