@@ -19,7 +19,7 @@ new run seconds apart and a slow stretch of the shared machine slows both; a var
 rounds. Each round also times "new" with `loss.matmul_dtype=bfloat16` (not the default: its own line, never the
 figure line). Memory: one more fresh process per variant resets the kernel's peak-RSS mark and takes one step with
 glibc's mmap threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above what was resident
-before that step.
+before that step, plus what the loss keeps resident between steps (its CPU chunk buffers).
 
 FLOP/s: torch.utils.flop_counter counts the new step's matmul/attention FLOPs (including the masked-out parts of
 each group's attention tile, which the kernel computes); util = those FLOP/s over the fp32 matmul rate of this
@@ -93,6 +93,7 @@ def _batch(cfg, seqs: int, seq_len: int, anchors: int, vocab: int, seed: int):
 
 def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, args.code)
+    from draft_model import loss as loss_module
     from draft_model.config import LossConfig
     from draft_model.loss import draft_loss
     from draft_model.model import DraftModel
@@ -144,8 +145,11 @@ def child(args: argparse.Namespace) -> None:
     exact = reset_peak()
     step()
     peak_kib = rss_kib("VmHWM") if exact else base_kib
+    # buffers the loss keeps between steps (the new tree's CPU chunk buffers) were resident before the step: count
+    # them, so that keeping memory is not reported as saving it
+    kept = getattr(loss_module, "scratch_bytes", lambda: 0)()
     with open(args.out, "w") as f:
-        json.dump({**info, "peak_bytes": (peak_kib - base_kib) * 1024, "exact_peak": exact}, f)
+        json.dump({**info, "peak_bytes": (peak_kib - base_kib) * 1024 + kept, "exact_peak": exact}, f)
 
 
 def old_tree(tmp: str) -> str:

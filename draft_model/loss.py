@@ -26,6 +26,7 @@ side) never receive a gradient on either path.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,15 +108,42 @@ def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor
     return z_CV.to(_acc_dtype(z_CV.dtype)) if wide is None else wide.copy_(z_CV)
 
 
+class _Scratch(threading.local):
+    """The vocabulary-sized buffers of the CPU path (a chunk's logits, a row block's softmaxes), kept between
+    calls (one set per thread). A fresh
+    256 x 49152 fp32 tensor is above glibc's largest mmap threshold (32 MiB), so each one was a new mapping whose
+    first touch page-faulted: 18 of the 52 ms of a chunk's matmul on the CI machine when every chunk allocated
+    its own, and still about 25 ms of a v4 training step (bench/step.py's SWA preset) when every call did. A
+    buffer is only ever used inside one forward or backward of `_VocabRowsLoss`, which never nest. On a GPU the
+    caching allocator already reuses blocks, so nothing is kept there."""
+
+    def __init__(self) -> None:
+        self.flat: dict[tuple[int, torch.dtype], Tensor] = {}
+
+    def get(self, slot: int, rows: int, V: int, like: Tensor, dtype: torch.dtype) -> Tensor:
+        if like.device.type != "cpu":
+            return like.new_empty(rows, V, dtype=dtype)
+        flat = self.flat.get((slot, dtype))
+        if flat is None or flat.numel() < rows * V:  # grown, never shrunk: the largest chunk this thread has seen
+            flat = self.flat[(slot, dtype)] = torch.empty(rows * V, dtype=dtype)
+        return flat[: rows * V].view(rows, V)
+
+
+_SCRATCH = _Scratch()
+
+
+def scratch_bytes() -> int:
+    """Bytes the loss keeps between calls in this thread (its CPU chunk buffers)."""
+    return sum(t.numel() * t.element_size() for t in _SCRATCH.flat.values())
+
+
 def _chunk_buffers(h_MD: Tensor, lm_head_VD: Tensor, chunk_rows: int) -> list[tuple[Tensor, Tensor | None]]:
-    """The draft's and the target's logit buffers (matmul dtype, and fp32 when that is narrower), allocated once
-    per pass and reused by every chunk. A fresh 256 x 49152 fp32 tensor is above glibc's largest mmap threshold
-    (32 MiB), so each one was a new mapping whose first touch page-faulted: 18 of the 52 ms of that chunk's matmul
-    on the CI machine."""
+    """The draft's and the target's logit buffers (matmul dtype, and fp32 when that is narrower), reused by every
+    chunk of a pass and, on a CPU, by every later pass (`_Scratch`)."""
     rows, V, dtype = min(chunk_rows, h_MD.shape[0]), lm_head_VD.shape[0], lm_head_VD.dtype
     acc = _acc_dtype(dtype)
-    return [(h_MD.new_empty(rows, V, dtype=dtype), None if acc == dtype else h_MD.new_empty(rows, V, dtype=acc))
-            for _ in range(2)]
+    return [(_SCRATCH.get(2 * i, rows, V, h_MD, dtype),
+             None if acc == dtype else _SCRATCH.get(2 * i + 1, rows, V, h_MD, acc)) for i in range(2)]
 
 
 # On a CPU the chunk's elementwise chain (two softmaxes, about ten passes) runs CACHE_BYTES of each vocabulary-
@@ -132,10 +160,12 @@ def _chunk_terms(z_CV: Tensor, zt_CV: Tensor, labels_C: Tensor, g_ce_C: Tensor, 
     when given, and returns d(g_ce·ce + g_l1·l1)/dz in z_CV's buffer (both logit buffers are overwritten)."""
     C, V = z_CV.shape
     step = C if z_CV.device.type != "cpu" else max(1, CACHE_BYTES // (V * z_CV.element_size()))
+    # the softmaxes' outputs go to kept buffers: a fresh pair per row block was 10-20 of a chunk's 60-70 ms
+    logp_bV, pt_bV = (_SCRATCH.get(slot, min(step, C), V, z_CV, z_CV.dtype) for slot in (4, 5))
     for lo in range(0, C, step):
-        r = slice(lo, lo + step)
-        logp_rV = torch.log_softmax(z_CV[r], dim=-1)
-        pt_rV = torch.softmax(zt_CV[r], dim=-1)
+        r, n = slice(lo, lo + step), min(step, C - lo)
+        logp_rV = torch.log_softmax(z_CV[r], dim=-1, out=logp_bV[:n])
+        pt_rV = torch.softmax(zt_CV[r], dim=-1, out=pt_bV[:n])
         if ce_C is not None:
             ce_C[r] = -logp_rV.gather(-1, labels_C[r, None]).squeeze(-1)
         p_rV = logp_rV.exp_()

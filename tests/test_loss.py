@@ -280,6 +280,38 @@ def test_output_loss_reads_duck_typed_output():
     assert a.total().item() == pytest.approx(b.total().item(), rel=1e-12)
 
 
+def test_kept_cpu_buffers_are_reused_and_do_not_leak_between_calls(monkeypatch):
+    """The CPU chunk buffers outlive a call (loss._Scratch): a call after a larger one, with another vocabulary or
+    dtype in between, gives exactly what it gives with fresh buffers, and the kept bytes only grow to the largest
+    chunk seen."""
+    from draft_model import loss
+
+    def values(x, cfg):
+        parts = run(x, cfg, grads=True)
+        parts.total().backward()
+        return [parts.ce_sum.detach(), parts.tv_sum.detach()] + [x[n].grad for n in ("hidden", "factor", "w2")]
+
+    monkeypatch.setattr(loss, "_SCRATCH", loss._Scratch())
+    small = make_inputs(seed=11, dtype=torch.float32, lengths=(2, 1))
+    fresh = values(dict(small), LossConfig(chunk_rows=4))
+    # z and z_t buffers of min(4, M = 3) rows, and the softmaxes' row-block buffers (at V = 37: the whole chunk)
+    assert loss.scratch_bytes() == 4 * 3 * V * 4
+    big = make_inputs(seed=12, dtype=torch.float32, lengths=(5,) * 6)
+    values(dict(big), LossConfig(chunk_rows=16))
+    wide = make_inputs(seed=13, dtype=torch.float32, lengths=(5,) * 6)
+    wide["lm_head"], wide["w2"] = torch.randn(V + 20, D), torch.randn(R, V + 20)
+    wide["labels"] = wide["labels"] % V
+    values(wide, LossConfig(chunk_rows=16))
+    values(make_inputs(seed=14, dtype=torch.float64, lengths=(5,) * 6), LossConfig(chunk_rows=16))
+    kept = loss.scratch_bytes()
+    assert kept == 4 * 16 * (V + 20) * 4 + 4 * 16 * V * 8  # fp32 grown to the widest chunk; fp64 its own
+    again = values(dict(small), LossConfig(chunk_rows=4))
+    assert loss.scratch_bytes() == kept
+    assert all(t is not None for t in fresh)
+    for a, b in zip(fresh, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_saved_tensors_do_not_scale_with_vocab_times_rows():
     """Structural memory check: the chunked path saves only its inputs for backward (no M·V tensor), the naive
     path saves several M·V tensors (so this test can fail)."""
