@@ -11,19 +11,21 @@ gathers its own context window, RoPE tables per call, `loss.chunk_rows=64`, the 
 checkout it falls back to this tree's reference path (`draft.attn_impl=gather`, chunk 64) and says so. "new" is this
 tree's default (`attn_impl=packed`: one context range per sequence, a mask built once per forward and shared by the
 layers; context keys only for the rows some block reads; RoPE tables once per forward; host-side indices; the
-vocabulary loss's elementwise chain in cache-sized row blocks; the larger default loss chunk). Both see the same
-seeded batch and weights, and the optimizer its tree's trainers build (torch's AdamW; fused in "new").
+vocabulary loss's elementwise chain in cache-sized row blocks and kept buffers; the larger default loss chunk; the
+loss's LM-head matmuls in bf16, `loss.matmul_dtype=bfloat16`). Both see the same seeded batch and weights, and the
+optimizer its tree's trainers build (torch's AdamW; fused in "new").
 Timing: per preset, one long-lived subprocess per variant builds the model and batch and takes one warm-up step;
 then the variants are asked in turn for --steps steps (forward, backward, AdamW), --repeats rounds, so that old and
 new run seconds apart and a slow stretch of the shared machine slows both; a variant's time is its median over the
-rounds. Each round also times "new" with `loss.matmul_dtype=bfloat16` (not the default: its own line, never the
-figure line). Memory: one more fresh process per variant resets the kernel's peak-RSS mark and takes one step with
-glibc's mmap threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above what was resident
-before that step, plus what the loss keeps resident between steps (its CPU chunk buffers).
+rounds. Each round also times "new" with `loss.matmul_dtype=float32` (the opt-out, and the default before: its
+own line, never the figure line). Memory: one more fresh process per variant resets the kernel's peak-RSS mark and
+takes one step with glibc's mmap threshold pinned (so freed tensors leave the RSS): peak memory is the RSS peak above
+what was resident before that step, plus what the loss keeps resident between steps (its CPU chunk buffers).
 
 FLOP/s: torch.utils.flop_counter counts the new step's matmul/attention FLOPs (including the masked-out parts of
 each group's attention tile, which the kernel computes); util = those FLOP/s over the fp32 matmul rate of this
-machine measured in the same run (a 2048^3 matmul). The old path's outputs and the new path's agree (the printed
+machine measured in the same run (a 2048^3 matmul; the bf16 rate is printed beside it: the loss's matmuls run at
+that one, the backbone's at the fp32 one). The old path's outputs and the new path's agree (the printed
 max |loss diff|; tests/test_attention_paths.py checks gradients too).
 Last line: step full_ctx time old/new=X peak_mem old/new=Y swa time old/new=Z util=U
 """
@@ -50,9 +52,10 @@ if "--child" not in sys.argv:  # a child imports the draft code from the tree it
 
 GIB = 1024**3
 OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
-# "bf16" is the new step with loss.matmul_dtype=bfloat16: timed beside the others, reported on its own line, never in
+# "fp32" is the new step with loss.matmul_dtype=float32 (the opt-out): timed beside the others, reported on its own
+# line, never in
 # the figure line (it changes the loss's precision: see README)
-VARIANTS = ("old", "new", "bf16")
+VARIANTS = ("old", "new", "fp32")
 
 
 def _cfg(preset: str, variant: str, hidden: int, in_tree_old: bool):
@@ -110,8 +113,8 @@ def child(args: argparse.Namespace) -> None:
     # the optimizer each tree's trainers build: torch's AdamW, fused since the step work (workers/trainer.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.variant != "old")
     loss_cfg = LossConfig(chunk_rows=64) if args.variant == "old" else LossConfig()
-    if args.variant == "bf16":  # not the default: the loss's LM-head matmuls in bf16 (loss.matmul_dtype)
-        loss_cfg = replace(loss_cfg, matmul_dtype="bfloat16")
+    if args.variant == "fp32" or in_tree_old:  # the opt-out, and the old step's precision (it had no such key)
+        loss_cfg = replace(loss_cfg, matmul_dtype="float32")
     batch = _batch(cfg, args.seqs, args.seq_len, args.anchors, args.vocab, seed=2)
     first_loss = None
 
@@ -207,9 +210,9 @@ class _Server:
         self.proc.wait()
 
 
-def matmul_rate(threads: int, n: int = 2048, reps: int = 5) -> float:
+def matmul_rate(threads: int, n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32) -> float:
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -240,7 +243,7 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    rate = matmul_rate(args.threads)
+    rate, rate_bf16 = matmul_rate(args.threads), matmul_rate(args.threads, dtype=torch.bfloat16)
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         old_code = old_tree(tmp)
@@ -269,16 +272,16 @@ def main() -> None:
             for variant in VARIANTS:
                 res[preset, variant] = {**servers[variant].info, "seconds": float(np.median(times[variant]))}
         for (preset, variant), r in res.items():
-            if variant == "bf16":
+            if variant == "fp32":
                 continue
             memory = _memory(args, preset, variant, tree(variant), tmp)
             r.update(peak_bytes=memory["peak_bytes"], exact_peak=memory["exact_peak"])
             print(f"{preset:<9}{variant:<5} {r['seconds']:7.2f} s/step (median)  peak {r['peak_bytes'] / GIB:6.3f} GiB"
                   f"  loss {r['first_loss']:.6f}  ({r['blocks']} blocks)", flush=True)
     for preset in args.presets:
-        old, bf16 = res[preset, "old"], res[preset, "bf16"]
-        print(f"{preset}: with loss.matmul_dtype=bfloat16 (not the default) time old/new "
-              f"{old['seconds'] / bf16['seconds']:.2f}, |loss diff| {abs(old['first_loss'] - bf16['first_loss']):.1e}")
+        old, fp32 = res[preset, "old"], res[preset, "fp32"]
+        print(f"{preset}: with loss.matmul_dtype=float32 (the opt-out) time old/new "
+              f"{old['seconds'] / fp32['seconds']:.2f}, |loss diff| {abs(old['first_loss'] - fp32['first_loss']):.1e}")
     if len(args.presets) < 2:
         for preset in args.presets:
             old, new = res[preset, "old"], res[preset, "new"]
@@ -286,7 +289,8 @@ def main() -> None:
                   f"peak_mem old/new={old['peak_bytes'] / max(new['peak_bytes'], 1):.2f}")
         return
     print(f"\n{args.seqs} sequences x {args.seq_len} tokens, {args.anchors} anchors each, V={args.vocab} "
-          f"D={args.hidden}, {args.threads} threads; fp32 matmul rate {rate / 1e9:.1f} GFLOP/s")
+          f"D={args.hidden}, {args.threads} threads; matmul rate fp32 {rate / 1e9:.1f} GFLOP/s, "
+          f"bf16 {rate_bf16 / 1e9:.1f} GFLOP/s")
     for preset in ("full_ctx", "swa"):
         old, new = res[preset, "old"], res[preset, "new"]
         print(f"{preset}: time old/new {old['seconds'] / new['seconds']:.2f}, peak old/new "

@@ -138,12 +138,16 @@ def scratch_bytes() -> int:
 
 
 def _chunk_buffers(h_MD: Tensor, lm_head_VD: Tensor, chunk_rows: int) -> list[tuple[Tensor, Tensor | None]]:
-    """The draft's and the target's logit buffers (matmul dtype, and fp32 when that is narrower), reused by every
-    chunk of a pass and, on a CPU, by every later pass (`_Scratch`)."""
+    """The draft's and the target's logit buffers, reused by every chunk of a pass and, on a CPU, by every later
+    pass (`_Scratch`): (matmul-dtype buffer, None) each, or, when the matmul dtype is narrower than fp32 (bf16),
+    (one narrow buffer both share, fp32 buffer) each: a narrow product is widened before the next one is made, and
+    the narrow buffer then also takes the chunk's logit gradient on its way into the backward matmuls."""
     rows, V, dtype = min(chunk_rows, h_MD.shape[0]), lm_head_VD.shape[0], lm_head_VD.dtype
     acc = _acc_dtype(dtype)
-    return [(_SCRATCH.get(2 * i, rows, V, h_MD, dtype),
-             None if acc == dtype else _SCRATCH.get(2 * i + 1, rows, V, h_MD, acc)) for i in range(2)]
+    if acc == dtype:
+        return [(_SCRATCH.get(2 * i, rows, V, h_MD, dtype), None) for i in range(2)]
+    narrow = _SCRATCH.get(0, rows, V, h_MD, dtype)
+    return [(narrow, _SCRATCH.get(2 * i + 1, rows, V, h_MD, acc)) for i in range(2)]
 
 
 # On a CPU the chunk's elementwise chain (two softmaxes, about ten passes) runs CACHE_BYTES of each vocabulary-
@@ -212,7 +216,7 @@ class _VocabRowsLoss(torch.autograd.Function):
             grad_z_CV = _chunk_terms(z_CV, _logits(target_MD[c], lm_head_VD, None, None, zt_bufs), labels_M[c],
                                      gw_ce_M[c], gw_l1_M[c], ce_M[c], l1_M[c], want_grad=grads is not None)
             if grads is not None:
-                grads.add(c, grad_z_CV, lm_head_VD, a_CR)
+                grads.add(c, grad_z_CV, lm_head_VD, a_CR, z_bufs[0] if z_bufs[1] is not None else None)
         ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M)
         ctx.chunk_rows, ctx.grads = chunk_rows, grads
         return ce_M, l1_M
@@ -242,7 +246,7 @@ class _VocabRowsLoss(torch.autograd.Function):
             grad_z_CV = _chunk_terms(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV, z_bufs),
                                      _logits(target_MD[c], lm_head_VD, None, None, zt_bufs), labels_M[c], g_ce_M[c],
                                      g_l1_M[c])
-            grads.add(c, grad_z_CV, lm_head_VD, a_CR)
+            grads.add(c, grad_z_CV, lm_head_VD, a_CR, z_bufs[0] if z_bufs[1] is not None else None)
         return (*grads.scaled(None), None, None, None)
 
 
@@ -256,8 +260,13 @@ class _Grads:
         # W2's gradient sums over every row: accumulate in fp32 (or fp64) whatever W2's dtype
         self.w2_RV = torch.zeros_like(w2_RV, dtype=_acc_dtype(w2_RV.dtype)) if need[2] else None
 
-    def add(self, c: slice, grad_z_CV: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None) -> None:
-        grad_mm_CV = grad_z_CV.to(lm_head_VD.dtype)  # the matmul dtype: one cast for both products
+    def add(self, c: slice, grad_z_CV: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None,
+            narrow_CV: Tensor | None = None) -> None:
+        """narrow_CV: a kept buffer of the matmul dtype for the cast (else a fresh tensor when dtypes differ)."""
+        if narrow_CV is not None and grad_z_CV.dtype != lm_head_VD.dtype:
+            grad_mm_CV = narrow_CV[:grad_z_CV.shape[0]].copy_(grad_z_CV)  # one cast for both products
+        else:
+            grad_mm_CV = grad_z_CV.to(lm_head_VD.dtype)
         if self.h_MD is not None:
             self.h_MD[c] = grad_mm_CV @ lm_head_VD
         if self.a_MR is not None:
@@ -339,8 +348,10 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
 
     w_M = rows_of(w_NK)
     # the vocabulary-sized matmuls run in the LM head's dtype (an autocast backbone may hand over another): no-op
-    # casts otherwise, so W2 stays the parameter itself; or in bf16 when asked (cfg.matmul_dtype)
-    dtype = torch.bfloat16 if cfg.matmul_dtype == "bfloat16" else lm_head_VD.dtype
+    # casts otherwise, so W2 stays the parameter itself; or in bf16 (cfg.matmul_dtype, the default), except for the
+    # fp64 of reference checks
+    bf16 = cfg.matmul_dtype == "bfloat16" and lm_head_VD.dtype != torch.float64
+    dtype = torch.bfloat16 if bf16 else lm_head_VD.dtype
     lm_head_VD = lm_head_VD.to(dtype)
     rows = (rows_of(hidden_NKD).to(dtype), rows_of(target_hidden_NKD).detach().to(dtype), lm_head_VD,
             rows_of(labels_NK).long(), None if head_factor_NKR is None else rows_of(head_factor_NKR).to(dtype),

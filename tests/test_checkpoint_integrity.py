@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from draft_model.config import LossConfig
 from pipeline.config import RunConfig
 from workers.checkpoint import MANIFEST, CheckpointError, CheckpointManager, checkpoint_problem
 from workers.orchestrate import InputError, check_resume
@@ -218,11 +219,23 @@ def _meta(**changes) -> dict:
     ("train.lr", 1e-3, "train.lr is 0.0003 now but 0.001"),
     ("target.wire_dtype", "float32", "target.wire_dtype is 'bfloat16' now but 'float32'"),
     ("draft.num_layers", 2, "draft.num_layers is 1 now but 2"),
+    ("loss.matmul_dtype", "float32", "loss.matmul_dtype is 'bfloat16' now but 'float32' in the checkpoint (pass "
+                                     "loss.matmul_dtype=float32 to continue this run"),
 ])
 def test_check_resume_refuses_a_change_of_data_or_model(key, old, message):
     with pytest.raises(InputError) as e:
         check_resume(RunConfig(), _meta(**{key: old}))
     assert message in str(e.value) and str(e.value).startswith("cannot resume: ") and "\n" not in str(e.value)
+
+
+def test_check_resume_reads_a_missing_key_as_its_former_default():
+    """A checkpoint from before loss.matmul_dtype existed trained in fp32, the key's default then: it resumes with
+    float32, and is refused with the present default (bfloat16), which would change its loss."""
+    meta = _meta()
+    del meta["config"]["loss"]["matmul_dtype"]
+    check_resume(RunConfig(loss=LossConfig(matmul_dtype="float32")), meta)
+    with pytest.raises(InputError, match="loss.matmul_dtype is 'bfloat16' now but 'float32'"):
+        check_resume(RunConfig(), meta)
 
 
 def test_check_resume_compares_nested_draft_keys_and_global_batch():

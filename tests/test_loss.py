@@ -11,8 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draft_model.config import LossConfig
+from draft_model.config import LossConfig as _LossConfig
 from draft_model.loss import draft_loss, dspark_loss, expected_tau, output_loss, position_weights
+
+
+def LossConfig(**kw) -> _LossConfig:
+    """These tests check the loss's exact math: fp32 LM-head matmuls unless a test asks for bf16 (the default)."""
+    return _LossConfig(**{"matmul_dtype": "float32", **kw})
+
 
 N, K, D, V, R = 6, 5, 8, 37, 4
 
@@ -408,3 +414,17 @@ def test_bf16_matmuls_stay_close_to_fp32(markov):
 def test_matmul_dtype_is_checked():
     with pytest.raises(ValueError, match="matmul_dtype must be float32 or bfloat16"):
         LossConfig(matmul_dtype="float16").validate()
+
+
+def test_default_runs_fp32_matmuls_in_bf16_and_leaves_fp64_alone():
+    """The default loss.matmul_dtype is bfloat16: fp32 inputs get exactly the explicit bf16 result; fp64 reference
+    inputs keep their fp64 matmuls."""
+    assert _LossConfig().matmul_dtype == "bfloat16"
+    x32 = make_inputs(seed=21, dtype=torch.float32)
+    default, bf16, fp32 = (run(dict(x32), cfg).ce_sum.item() for cfg in (
+        _LossConfig(chunk_rows=4), LossConfig(chunk_rows=4, matmul_dtype="bfloat16"), LossConfig(chunk_rows=4)))
+    assert default == bf16 and default != fp32
+    x64 = make_inputs(seed=21, dtype=torch.float64)
+    fp64_default, fp64_fp32 = (run(dict(x64), cfg).ce_sum.item() for cfg in (_LossConfig(chunk_rows=4),
+                                                                             LossConfig(chunk_rows=4)))
+    assert fp64_default == fp64_fp32
