@@ -109,13 +109,13 @@ def _logits(h_CD: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None, w2_RV: Tensor
 
 
 class _Scratch(threading.local):
-    """The vocabulary-sized buffers of the CPU path (a chunk's logits, a row block's softmaxes), kept between
-    calls (one set per thread). A fresh
-    256 x 49152 fp32 tensor is above glibc's largest mmap threshold (32 MiB), so each one was a new mapping whose
-    first touch page-faulted: 18 of the 52 ms of a chunk's matmul on the CI machine when every chunk allocated
-    its own, and still about 25 ms of a v4 training step (bench/step.py's SWA preset) when every call did. A
-    buffer is only ever used inside one forward or backward of `_VocabRowsLoss`, which never nest. On a GPU the
-    caching allocator already reuses blocks, so nothing is kept there."""
+    """The vocabulary-sized buffers of the CPU path, kept between calls (one set per thread), by slot: 0-3 a
+    chunk's logits (`_chunk_buffers`), 4-5 a row block's softmaxes (`_chunk_terms`). A fresh 256 x 49152 fp32
+    tensor is above glibc's largest mmap threshold (32 MiB), so each one was a new mapping whose first touch
+    page-faulted: 18 of the 52 ms of a chunk's matmul on the CI machine when every chunk allocated its own, and
+    still about 25 ms of a v4 training step (bench/step.py's SWA preset) when every call did. A buffer is only
+    ever used inside one forward or backward of `_VocabRowsLoss`, which never nest. On a GPU the caching
+    allocator already reuses blocks, so nothing is kept there."""
 
     def __init__(self) -> None:
         self.flat: dict[tuple[int, torch.dtype], Tensor] = {}
