@@ -63,7 +63,7 @@ def main() -> None:
         drafts[name] = path
 
     from draft_model.config import LossConfig
-    from draft_model.loss import output_loss
+    from draft_model.loss import block_tau, draft_loss
     from pipeline.contracts import FeatureBatch
     from pipeline.packing import pack
     from pipeline.target_model import capture_features, embedding_weights, load_target, resolve_target_path
@@ -79,8 +79,12 @@ def main() -> None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rows, cache)
     embed, head = embedding_weights(target)
-    first = load_exported_draft(next(iter(drafts.values())), embed, head)
+    models = {name: load_exported_draft(path, embed, head) for name, path in drafts.items()}
+    first, *_ = models.values()
     layers, K = list(first.cfg.target_layers), first.cfg.block_size
+    for name, model in models.items():
+        if model.cfg.block_size != K or list(model.cfg.target_layers) != layers:
+            sys.exit(f"error: {name} has another block size or target layers than {next(iter(models))}")
     parts_T = {k: [] for k in ("ids", "mask", "ctx", "final")}
     starts = [0]
     for r in rows:
@@ -100,16 +104,10 @@ def main() -> None:
     print(f"{len(rows)} held-out replies, {batch.num_blocks} blocks, {int(batch.valid_NK.sum())} trained positions",
           flush=True)
     per_seq = {}
-    for name, path in drafts.items():
-        model = load_exported_draft(path, embed, head)
-        if model.cfg.block_size != K or list(model.cfg.target_layers) != layers:
-            sys.exit(f"error: {name} has another block size or target layers than {next(iter(drafts))}")
-        out = model(batch)
-        target_NKD = batch.final_hidden_TD[batch.target_index_NK()]
-        loss = output_loss(out, model.lm_head_weight(), model.head_w2(), batch.labels_NK(), target_NKD,
-                           batch.valid_NK, LossConfig(matmul_dtype="float32"))
+    for name, model in models.items():
+        loss = draft_loss(model, batch, LossConfig(matmul_dtype="float32"))
         c_NK, v_NK = loss.c_star_NK, batch.valid_NK
-        tau_N = (1.0 + torch.cumprod(c_NK * v_NK, dim=-1).sum(-1)).numpy()
+        tau_N = block_tau(c_NK, v_NK).numpy()
         per_seq[name] = np.array([tau_N[seq_N == s].mean() for s in seqs])
         slots = " ".join(f"{c_NK[:, k][v_NK[:, k]].mean().item():.3f}" for k in range(K))
         print(f"{name:<12} expected tau {tau_N.mean():.4f}  c* per slot {slots}  "

@@ -53,8 +53,7 @@ if "--child" not in sys.argv:  # a child imports the draft code from the tree it
 GIB = 1024**3
 OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
 # "fp32" is the new step with loss.matmul_dtype=float32 (the opt-out): timed beside the others, reported on its own
-# line, never in
-# the figure line (it changes the loss's precision: see README)
+# line, never in the figure line (it changes the loss's precision: see README)
 VARIANTS = ("old", "new", "fp32")
 
 

@@ -39,7 +39,7 @@ from draft_model.config import LossConfig
 if TYPE_CHECKING:
     from draft_model.batch import BlockBatch
 
-__all__ = ["LossParts", "dspark_loss", "output_loss", "draft_loss", "position_weights", "expected_tau"]
+__all__ = ["LossParts", "dspark_loss", "output_loss", "draft_loss", "position_weights", "block_tau", "expected_tau"]
 
 
 @dataclass
@@ -75,14 +75,15 @@ def position_weights(valid_NK: Tensor, lam: float, dtype: torch.dtype = torch.fl
     return torch.exp(-k_K / lam) * valid_NK.to(dtype)
 
 
-def expected_tau(c_star_NK: Tensor, valid_NK: Tensor) -> Tensor:
-    """Mean over blocks of 1 + Σ_k Π_{i<=k} c*_i: the accepted length a draft with these per-slot acceptance
-    rates would reach (c* = 1 − TV is the probability of accepting slot k given the prefix was accepted).
+def block_tau(c_star_NK: Tensor, valid_NK: Tensor) -> Tensor:
+    """Per block, 1 + Σ_k Π_{i<=k} c*_i over its valid prefix: the accepted length a draft with these per-slot
+    acceptance rates would reach (c* = 1 − TV is the probability of accepting slot k given the prefix was)."""
+    return 1.0 + torch.cumprod(c_star_NK.detach().float() * valid_NK, dim=-1).sum(-1)
 
-    Only the valid prefix counts; blocks without any valid slot are skipped (NaN if there are none).
-    """
-    survive_NK = torch.cumprod(c_star_NK.detach().float() * valid_NK, dim=-1)
-    tau_N = 1.0 + survive_NK.sum(-1)
+
+def expected_tau(c_star_NK: Tensor, valid_NK: Tensor) -> Tensor:
+    """Mean over blocks of `block_tau`; blocks without any valid slot are skipped (NaN if there are none)."""
+    tau_N = block_tau(c_star_NK, valid_NK)
     has_N = valid_NK.any(-1)
     return (tau_N * has_N).sum() / has_N.sum()  # a masked mean: no data-dependent shape, no sync
 
@@ -133,7 +134,7 @@ _SCRATCH = _Scratch()
 
 
 def scratch_bytes() -> int:
-    """Bytes the loss keeps between calls in this thread (its CPU chunk buffers)."""
+    """Bytes the loss keeps between calls in this thread (its CPU buffers, `_Scratch`)."""
     return sum(t.numel() * t.element_size() for t in _SCRATCH.flat.values())
 
 
@@ -216,7 +217,7 @@ class _VocabRowsLoss(torch.autograd.Function):
             grad_z_CV = _chunk_terms(z_CV, _logits(target_MD[c], lm_head_VD, None, None, zt_bufs), labels_M[c],
                                      gw_ce_M[c], gw_l1_M[c], ce_M[c], l1_M[c], want_grad=grads is not None)
             if grads is not None:
-                grads.add(c, grad_z_CV, lm_head_VD, a_CR, z_bufs[0] if z_bufs[1] is not None else None)
+                grads.add(c, grad_z_CV, lm_head_VD, a_CR, z_bufs)
         ctx.save_for_backward(h_MD, target_MD, lm_head_VD, labels_M, a_MR, w2_RV, gw_ce_M, gw_l1_M)
         ctx.chunk_rows, ctx.grads = chunk_rows, grads
         return ce_M, l1_M
@@ -246,7 +247,7 @@ class _VocabRowsLoss(torch.autograd.Function):
             grad_z_CV = _chunk_terms(_logits(h_MD[c], lm_head_VD, a_CR, w2_RV, z_bufs),
                                      _logits(target_MD[c], lm_head_VD, None, None, zt_bufs), labels_M[c], g_ce_M[c],
                                      g_l1_M[c])
-            grads.add(c, grad_z_CV, lm_head_VD, a_CR, z_bufs[0] if z_bufs[1] is not None else None)
+            grads.add(c, grad_z_CV, lm_head_VD, a_CR, z_bufs)
         return (*grads.scaled(None), None, None, None)
 
 
@@ -261,12 +262,11 @@ class _Grads:
         self.w2_RV = torch.zeros_like(w2_RV, dtype=_acc_dtype(w2_RV.dtype)) if need[2] else None
 
     def add(self, c: slice, grad_z_CV: Tensor, lm_head_VD: Tensor, a_CR: Tensor | None,
-            narrow_CV: Tensor | None = None) -> None:
-        """narrow_CV: a kept buffer of the matmul dtype for the cast (else a fresh tensor when dtypes differ)."""
-        if narrow_CV is not None and grad_z_CV.dtype != lm_head_VD.dtype:
-            grad_mm_CV = narrow_CV[:grad_z_CV.shape[0]].copy_(grad_z_CV)  # one cast for both products
-        else:
-            grad_mm_CV = grad_z_CV.to(lm_head_VD.dtype)
+            bufs: tuple[Tensor, Tensor | None]) -> None:
+        """bufs: the chunk's logit buffers (`_chunk_buffers`); with a narrower matmul dtype, its narrow buffer (free
+        by now) takes the gradient's cast to it: one cast for both products."""
+        narrow_CV, wide_CV = bufs
+        grad_mm_CV = grad_z_CV if wide_CV is None else narrow_CV[:grad_z_CV.shape[0]].copy_(grad_z_CV)
         if self.h_MD is not None:
             self.h_MD[c] = grad_mm_CV @ lm_head_VD
         if self.a_MR is not None:
