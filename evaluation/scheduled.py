@@ -10,14 +10,16 @@ One engine step, for the R requests still running:
    when the drafter has calibration.json; a drafter without confidences reports none and gets c = 1, which only
    static γ can use meaningfully);
 2. the policy picks ℓ_R jointly from conf_RK (and, for the asynchronous variant, the confidences each request
-   had two steps earlier: the current ones in its first two steps, as in the simulator), and SPS(B);
+   had two steps earlier: a row of NaN in its first two steps, as in the simulator, where the policy falls back
+   to Algorithm 1 with its early stop), and SPS(B);
 3. request r verifies only x_1..x_{ℓ_r}: one target forward over [anchor, x_1..x_{ℓ_r}] and the rejection rule
    (draft_model.sampling) on that prefix, emitting n_r + 1 = min(n, ℓ_r) + 1 tokens. ℓ_r = 0 is handled here:
    sampling.verify_block does not take an empty block (it indexes the first draft slot), and with no draft token
    the rule reduces to "sample the next token from the target's distribution at the anchor" (its argmax, greedy).
 Truncating a block to its first ℓ tokens is a valid draft of length ℓ: slot k's token and distribution depend
 only on the slots before it. What the policy must not do is let x_{r,j} decide its own admission; Algorithm 1's
-early stop and the asynchronous variant's stale capacity ensure that (serving/policies.py).
+early stop and the asynchronous variant's stale capacity (or its early-stop fallback) ensure that
+(serving/policies.py).
 
 The target runs one forward per request per step (a TargetSession each), not one batched forward: this module
 is about what is emitted, not how fast; cost comes from the SPS table in the simulator.
@@ -105,7 +107,7 @@ def scheduled_generate(target: nn.Module, drafter: Drafter, prompts: Sequence[li
         props = [drafter.propose(sessions[r].context(), sessions[r].anchor, temperature, generator) for r in running]
         conf_RK = np.stack([np.ones(K) if p.conf_K is None else p.conf_K.double().cpu().numpy() for p in props])
         conf_RK = np.clip(conf_RK, 0.0, 1.0)
-        stale_RK = np.stack([history[r][0] if len(history[r]) == 2 else conf_RK[i] for i, r in enumerate(running)])
+        stale_RK = np.stack([history[r][0] if len(history[r]) == 2 else np.full(K, np.nan) for r in running])
         ell_R = np.asarray(policy.choose(conf_RK, stale_RK, sps))
         if ell_R.shape != (len(running),) or ell_R.min() < 0 or ell_R.max() > K:
             raise ValueError(f"policy {policy.name!r} returned {ell_R.tolist()}; need {len(running)} lengths in 0..{K}")

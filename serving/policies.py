@@ -22,6 +22,9 @@ Policies and their cost per engine step:
                              O(RK log RK), off the critical path (it can run while the current step executes).
 - async_allocate(conf, cap)  the top-`cap` current slots in ranked order, no early stop; O(RK log RK) (a partial
                              sort would make it O(RK)).
+- asynchronous(conf, stale, sps)  the whole production variant: async_allocate(conf, async_capacity(stale)) when
+                             every request has confidences two steps old; otherwise (a request's first two engine
+                             steps, a row of NaN in stale_RK) Algorithm 1 with its early stop on the current ones.
 
 Why the early stop matters (lossless speculative sampling): a_{r,j+1} depends on the token x_{r,j} the draft
 sampled. A search that looks past a drop can admit x_{r,j} only because a later slot looks good, i.e. let x_{r,j}
@@ -30,6 +33,17 @@ counterexample: (0.85, 0.15) instead of the target's (0.7, 0.3)). `algorithm1(..
 unsafe search, kept only to show why. The asynchronous variant is lossless without the stop: its capacity comes
 from values fixed before the current tokens exist, and a fixed-size leading part of a prefix-preserving ranking
 admits (r, j) depending only on slots ranked above it, none of which depend on x_{r,j}.
+
+The asynchronous variant's fallback. A request in its first two engine steps has no confidences two steps old.
+Using the CURRENT confidences in their place (as this module's callers once did) turns async_capacity into the
+unsafe search: its Algorithm 1 runs without the stop, so the capacity, and with it (r, j)'s admission, depends on
+a_{r,j+1}, ..., i.e. on x_{r,j} itself (tests/test_scheduled.py measured the bias). Whenever any request lacks
+stale values, `asynchronous` therefore runs Algorithm 1 WITH its early stop on the current confidences, for the
+whole step. That is lossless by the early-stop argument above: the search reaches (r, j) only through slots
+ranked above it, whose survivals depend on other requests' drafts and on x_{r,<j}, never on x_{r,j}, and it
+decides (r, j) from Θ up to and including a_{r,j}, which depends on x_{r,<j} only. The step is then exactly
+`algorithm1` (it just is not computed off the critical path); a stale-based capacity mixed with per-request
+fallbacks would need its own argument, and the fallback lasts two steps per request.
 """
 
 from __future__ import annotations
@@ -38,8 +52,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["algorithm1", "async_allocate", "async_capacity", "rank_slots", "static_gamma", "theta_curve",
-           "threshold"]
+__all__ = ["algorithm1", "async_allocate", "async_capacity", "asynchronous", "rank_slots", "static_gamma",
+           "theta_curve", "threshold"]
 
 SPS = Callable[[np.ndarray], np.ndarray]  # SPS(B) steps per second, vectorised (serving.sps.SPSTable)
 
@@ -132,3 +146,19 @@ def async_allocate(conf_RK: np.ndarray, capacity: int) -> np.ndarray:
         raise ValueError(f"capacity must be an integer >= 0, got {capacity!r}")
     _, r_M, _ = rank_slots(conf_RK)
     return _lengths(r_M, min(int(capacity), r_M.size), int(np.asarray(conf_RK).shape[0]))
+
+
+def asynchronous(conf_RK: np.ndarray, stale_RK: np.ndarray, sps: SPS) -> np.ndarray:
+    """The asynchronous variant: capacity from the confidences two steps old, allocation by the current ones.
+
+    stale_RK[r] is request r's conf_K of two engine steps earlier, or a row of NaN where it has none yet (its
+    first two steps). If any row is missing, the step is Algorithm 1 with its early stop on the current
+    confidences: the lossless fallback (module docstring); the current values never stand in for stale ones.
+    """
+    c_RK = _conf(conf_RK)
+    s_RK = np.asarray(stale_RK, dtype=np.float64)
+    if s_RK.shape != c_RK.shape:
+        raise ValueError(f"stale confidences must have the current ones' shape {c_RK.shape}, got {s_RK.shape}")
+    if np.isnan(s_RK).any(axis=1).any():
+        return algorithm1(c_RK, sps)
+    return async_allocate(c_RK, async_capacity(s_RK, sps))

@@ -24,7 +24,8 @@ with the target's curve alone undervalues each verified token whenever drafting 
 
 Staleness of the asynchronous policy: its "stale" input for slot r is the confidences the slot had two engine
 steps earlier (even when a new request has since taken the slot: the engine's double buffer is per slot). In
-the first two steps there is nothing older, and the current confidences are used.
+the first two steps there is nothing older: the stale input is NaN there, and the policy falls back to Algorithm 1
+with its early stop (serving.policies.asynchronous; the current confidences must never stand in for stale ones).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class RecordedRound:
 @dataclass(frozen=True)
 class Policy:
     name: str
-    # (conf_RK, stale_conf_RK, sps) -> ell_R; sps(B) is the engine's whole step rate (simulate: engine_sps)
+    # (conf_RK, stale_conf_RK, sps) -> ell_R; stale rows are NaN where a request has no confidences two steps
+    # old yet; sps(B) is the engine's whole step rate (simulate: engine_sps)
     choose: Callable[[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]], np.ndarray]
     draft_positions: int | None = None  # positions drafted per round; None = all K
 
@@ -77,8 +79,9 @@ def algorithm1_policy() -> Policy:
 
 
 def async_policy() -> Policy:
-    """Capacity from the stale confidences, allocation by the current ones (the production variant)."""
-    return Policy("async", lambda c, s, sps: pol.async_allocate(c, pol.async_capacity(s, sps)))
+    """Capacity from the stale confidences, allocation by the current ones (the production variant); Algorithm 1
+    with its early stop in the first two steps, where no stale confidences exist."""
+    return Policy("async", pol.asynchronous)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
     for _ in range(num_steps):
         conf_RK = np.stack([conf_streams[s][p] for s, p in zip(stream_R, pos_R)])
         n_R = np.array([n_streams[s][p] for s, p in zip(stream_R, pos_R)])
-        stale_RK = history[0] if len(history) == 2 else conf_RK  # two steps old; the current ones at the start
+        stale_RK = history[0] if len(history) == 2 else np.full_like(conf_RK, np.nan)  # two steps old, or none
         ell_R = np.asarray(policy.choose(conf_RK, stale_RK, engine_sps))
         if ell_R.shape != (R,) or ell_R.min() < 0 or ell_R.max() > K:
             raise ValueError(f"policy {policy.name!r} returned {ell_R.tolist()}; need {R} lengths in 0..{K}")

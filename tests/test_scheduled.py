@@ -15,7 +15,16 @@ from test_evaluate import MixtureDrafter, V, _chi2_pvalue, greedy_reference, nex
 from evaluation.drafters import Proposal
 from evaluation.scheduled import scheduled_generate, verify_prefix
 from evaluation.session import RoundLog, TargetSession, generate
-from serving.simulator import RecordedRound, algorithm1_policy, async_policy, simulate, static_policy, threshold_policy
+from serving import policies as pol
+from serving.simulator import (
+    Policy,
+    RecordedRound,
+    algorithm1_policy,
+    async_policy,
+    simulate,
+    static_policy,
+    threshold_policy,
+)
 from serving.sps import SPSTable
 
 
@@ -69,6 +78,31 @@ class WithConfidence:
         prop = self.inner.propose(ctx, anchor_token, temperature, generator)
         prev_K = torch.cat([torch.tensor([anchor_token]), prop.tokens_K[:-1]])
         return Proposal(prop.tokens_K, prop.probs_KV, torch.sigmoid(self.w_V[prev_K]))
+
+
+class SelfGatingDrafter:
+    """A drafter whose confidence in slot k is decided by the token it drafted at slot k − 1: high (0.95) after a
+    token of `gate_V`, low (0.02) after any other; slot 1's confidence likewise follows the anchor (0.99 / 0.8).
+    With the gate set to the tokens this draft under-weights against the target, a policy that lets x_{k−1}
+    decide its own admission over-emits exactly those tokens."""
+
+    name, target_layers = "self-gating", []
+
+    def __init__(self, seed: int, block_size: int, gate_V: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.probs_VV = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+        self.gate_V, self.block_size = gate_V, block_size
+
+    def propose(self, ctx, anchor_token, temperature, generator):
+        prev, tokens, probs, conf = anchor_token, [], [], []
+        for k in range(self.block_size):
+            gated = bool(self.gate_V[prev])
+            conf.append((0.99 if gated else 0.8) if k == 0 else (0.95 if gated else 0.02))
+            p_V = self.probs_VV[prev]
+            prev = int(torch.multinomial(p_V, 1, generator=generator))
+            tokens.append(prev)
+            probs.append(p_V)
+        return Proposal(torch.tensor(tokens), torch.stack(probs), torch.tensor(conf))
 
 
 def exact_joint_of_two(target, prompt: list[int]) -> np.ndarray:
@@ -126,6 +160,60 @@ def test_policy_driven_greedy_equals_target_greedy(name):
     for p, toks in zip(prompts, res.tokens):
         assert toks == greedy_reference(target, p, 16)
     assert res.request_steps < 4 * 16  # drafts were accepted: fewer steps than tokens
+
+
+# A cliff for R = 2: verifying is free up to B = R, the first verified draft token costs 45 % more step time, the
+# next ones 0.2 each. Algorithm 1's early stop admits a slot only after a confident anchor (c1 = 0.99); the search
+# past the drop also admits slot 1 when slot 2 looks good, i.e. when x1 is in the gate (the paper's counterexample
+# spread over a shared budget).
+CLIFF_R = 2
+CLIFF_SPS = SPSTable(list(range(1, 4 * CLIFF_R + 2)),
+                     [1.0 / (1.0 if b <= CLIFF_R else 1.45 if b == CLIFF_R + 1 else 1.85 + 0.2 * (b - CLIFF_R - 2))
+                      for b in range(1, 4 * CLIFF_R + 2)], {"target": "test cliff"})
+FIRST_STEPS_CONTROLS = {  # unsafe on purpose: each must be caught
+    "unsafe search (Algorithm 1 without its stop)": Policy("unsafe", lambda c, s, sps: pol.algorithm1(c, sps, False)),
+    "async with the current confidences as stale (the old fallback)":
+        Policy("old async", lambda c, s, sps: pol.async_allocate(c, pol.async_capacity(c, sps))),
+}
+
+
+def _first_two_tokens(policy: Policy, calls: int = 600) -> tuple[float, float, np.ndarray]:
+    """Decode 2 tokens of CLIFF_R requests per call (each request's first one or two engine steps): p-values of
+    the first token's and of the pair's law against the target's exact law, and the ℓ histogram."""
+    target, prompt = tiny_llama(seed=3), [4]
+    q1_V = next_probs(target, prompt).double()
+    ungated = SelfGatingDrafter(0, 3, torch.zeros(V, dtype=torch.bool))
+    drafter = SelfGatingDrafter(0, 3, q1_V > ungated.probs_VV[prompt[-1]].double())  # gate: under-weighted tokens
+    g, pairs, ells = torch.Generator().manual_seed(11), [], []
+    for _ in range(calls):
+        res = scheduled_generate(target, drafter, [prompt] * CLIFF_R, policy, CLIFF_SPS, 1.0, 2, g)
+        pairs += res.tokens
+        ells += res.verified
+    pairs_N2 = np.array(pairs)
+    p_first = _chi2_pvalue(np.bincount(pairs_N2[:, 0], minlength=V), q1_V.numpy())
+    p_pair = _chi2_pvalue(np.bincount(pairs_N2[:, 0] * V + pairs_N2[:, 1], minlength=V * V),
+                          exact_joint_of_two(target, prompt))
+    return p_first, p_pair, np.bincount(ells, minlength=4)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_first_steps_are_lossless_with_self_gating_confidences(name):
+    """Every request's first two engine steps (where the asynchronous variant has no confidences two steps old)
+    emit the target's exact law, for every policy, under a drafter whose confidences follow its own drafts."""
+    policy = {"static": static_policy(2), "threshold": threshold_policy(0.4), "alg1": algorithm1_policy(),
+              "async": async_policy()}[name]
+    p_first, p_pair, ell_hist = _first_two_tokens(policy)
+    print(f"\n{name}: first-token p={p_first:.3g} pair p={p_pair:.3g} ℓ histogram {ell_hist.tolist()}")
+    assert p_first > 1e-3 and p_pair > 1e-3, (name, p_first, p_pair, ell_hist)
+    if name in ("threshold", "alg1", "async"):
+        assert (ell_hist > 0).sum() >= 3, ell_hist  # the confidences really move ℓ
+
+
+@pytest.mark.parametrize("name", list(FIRST_STEPS_CONTROLS))
+def test_first_steps_check_catches_a_drafted_token_deciding_its_own_admission(name):
+    p_first, p_pair, ell_hist = _first_two_tokens(FIRST_STEPS_CONTROLS[name])
+    print(f"\n{name}: first-token p={p_first:.3g} pair p={p_pair:.3g} ℓ histogram {ell_hist.tolist()}")
+    assert p_first < 1e-6, (name, p_first, ell_hist)
 
 
 def test_stops_at_eos_and_max_tokens():

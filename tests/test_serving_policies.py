@@ -16,6 +16,7 @@ from serving.policies import (
     algorithm1,
     async_allocate,
     async_capacity,
+    asynchronous,
     rank_slots,
     static_gamma,
     theta_curve,
@@ -128,6 +129,25 @@ def test_async_variant_needs_stale_values():
         lambda cur, stale: per_draw(lambda c: async_allocate(c, async_capacity(c, SPS_CE)), cur))
     np.testing.assert_allclose(freq, BIASED, atol=0.004)
     assert pvalue < 1e-3
+
+
+def test_async_fallback_without_stale_values_is_lossless():
+    # a request's first two steps: no stale row (NaN) -> Algorithm 1 with its stop on the current values
+    ell_D, freq, pvalue = run_counterexample(
+        lambda cur, stale: per_draw(lambda c: asynchronous(c, np.full_like(c, np.nan), SPS_CE), cur))
+    assert (ell_D == 0).all()
+    assert pvalue > 1e-3, (freq, pvalue)
+
+
+def test_asynchronous_is_its_parts_and_falls_back_when_any_row_lacks_stale_values():
+    conf = np.array([[0.9, 0.8, 0.2], [0.6, 0.95, 0.9]])
+    stale = np.array([[0.99, 0.99, 0.99], [0.1, 0.1, 0.1]])
+    assert asynchronous(conf, stale, SPS_CE).tolist() == async_allocate(conf, async_capacity(stale, SPS_CE)).tolist()
+    one_missing = stale.copy()
+    one_missing[1] = np.nan
+    assert asynchronous(conf, one_missing, SPS_CE).tolist() == algorithm1(conf, SPS_CE).tolist()
+    with pytest.raises(ValueError, match="stale confidences must have"):
+        asynchronous(conf, stale[:1], SPS_CE)
 
 
 # ---- semantics --------------------------------------------------------------------------------------------------

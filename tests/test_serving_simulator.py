@@ -101,7 +101,7 @@ def test_async_policy_sees_confidences_two_steps_old():
     c1 = [round(float(cur[0, 0]), 6) for cur, _ in seen]
     stale1 = [round(float(st[0, 0]), 6) for _, st in seen]
     assert c1 == [0.1, 0.2, 0.3, 0.4, 0.5]
-    assert stale1 == [0.1, 0.2, 0.1, 0.2, 0.3]  # current at steps 1-2, then the step two before
+    assert np.isnan(stale1[:2]).all() and stale1[2:] == [0.1, 0.2, 0.3]  # none at steps 1-2, then two steps old
 
 
 def test_async_policy_matches_its_parts():
@@ -110,11 +110,11 @@ def test_async_policy_matches_its_parts():
                 RecordedRound((0.3 + 0.05 * r,) * 5, r % 2)] for r in range(4)]
     sps = SPSTable([4, 8, 12, 16, 24], [100.0, 98.0, 90.0, 70.0, 50.0])
     res = simulate(streams, async_policy(), sps, concurrency=4, draft_time_s=lambda g: 0.0, num_steps=3)
-    # slot r replays stream r; steps 1-2 use the current confidences as stale, step 3 those of step 1
+    # slot r replays stream r; steps 1-2 have no stale confidences (Algorithm 1 with its stop), step 3 uses step 1's
     conf = [np.array([streams[r][t].conf for r in range(4)]) for t in range(3)]
     n = [np.array([streams[r][t].num_accepted for r in range(4)]) for t in range(3)]
-    ell = [policies.async_allocate(conf[t], policies.async_capacity(conf[t - 2 if t >= 2 else t], sps))
-           for t in range(3)]
+    ell = [policies.algorithm1(conf[0], sps), policies.algorithm1(conf[1], sps),
+           policies.async_allocate(conf[2], policies.async_capacity(conf[0], sps))]
     assert res.mean_verify_len == sum(e.sum() for e in ell) / 12
     assert res.tokens == sum(int((np.minimum(n[t], ell[t]) + 1).sum()) for t in range(3))
     assert res.time_s == pytest.approx(sum(sps.step_time(int((e + 1).sum())) for e in ell))
