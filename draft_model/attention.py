@@ -143,6 +143,6 @@ class ContextBlockAttention(GQAProjections):
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[index] along dim 0 for an integer index of any shape, through index_select: its backward is index_add_,
-    which on a CPU ran 2.2x faster than the index_put_(accumulate=True) that advanced indexing's backward uses
-    (a 128 x 128 context-key gather: 8.4 against 18.6 ms, forward and backward)."""
+    faster on a CPU than the index_put_(accumulate=True) that advanced indexing's backward uses
+    (docs/design-notes.md, "Measured kernels")."""
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])

@@ -158,8 +158,8 @@ class LossConfig:
     decay_lambda: float = 4.0  # w_k = exp(-(k-1)/lambda), k = 1..gamma
     chunk_rows: int = 256  # block positions whose vocabulary-sized tensors are alive at once
     # dtype of the loss's fp32 LM-head matmuls (softmaxes, CE and L1 are fp32 either way; fp64 reference inputs
-    # stay fp64). bfloat16 (the default): about 2.8x faster matmuls on a CPU with AMX and on tensor-core GPUs, one
-    # more (bf16) chunk buffer beside the fp32 ones, logits to bf16 precision; no measurable acceptance cost
+    # stay fp64). bfloat16 (the default): faster matmuls on a CPU with AMX and on tensor-core GPUs, one more
+    # (bf16) chunk buffer beside the fp32 ones, logits to bf16 precision; no measurable acceptance cost
     # (docs/design-notes.md). float32 on a CPU without native bf16 matmuls (no AMX / AVX512-BF16), where bf16
     # would be slower
     matmul_dtype: str = "bfloat16"

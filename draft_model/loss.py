@@ -113,8 +113,7 @@ class _Scratch(threading.local):
     """The vocabulary-sized buffers of the CPU path, kept between calls (one set per thread), by slot: 0-3 a
     chunk's logits (`_chunk_buffers`), 4-5 a row block's softmaxes (`_chunk_terms`). A fresh 256 x 49152 fp32
     tensor is above glibc's largest mmap threshold (32 MiB), so each one was a new mapping whose first touch
-    page-faulted: 18 of the 52 ms of a chunk's matmul on the CI machine when every chunk allocated its own, and
-    still about 25 ms of a v4 training step (bench/step.py's SWA preset) when every call did. A buffer is only
+    page-faulted, a large share of a chunk's matmul time (docs/design-notes.md, "Measured kernels"). A buffer is only
     ever used inside one forward or backward of `_VocabRowsLoss`, which never nest. On a GPU the caching
     allocator already reuses blocks, so nothing is kept there."""
 
@@ -152,10 +151,9 @@ def _chunk_buffers(h_MD: Tensor, lm_head_VD: Tensor, chunk_rows: int) -> list[tu
 
 
 # On a CPU the chunk's elementwise chain (two softmaxes, about ten passes) runs CACHE_BYTES of each vocabulary-
-# sized row block at a time, so that every pass after the first reads from cache instead of memory: measured on
-# the 2-core CI machine (2 MiB L2 per core, ~5 GB/s to memory), a 256 x 49152 chunk's chain took 37 ms in 16-row
-# blocks against 107 ms in one piece. A GPU runs the chain over the whole chunk (small kernels would only add
-# launches).
+# sized row block at a time, so that every pass after the first reads from cache instead of memory (sized for a
+# core's L2; docs/design-notes.md, "Measured kernels"). A GPU runs the chain over the whole chunk (small kernels
+# would only add launches).
 CACHE_BYTES = 3 << 20
 
 
@@ -165,7 +163,7 @@ def _chunk_terms(z_CV: Tensor, zt_CV: Tensor, labels_C: Tensor, g_ce_C: Tensor, 
     when given, and returns d(g_ce·ce + g_l1·l1)/dz in z_CV's buffer (both logit buffers are overwritten)."""
     C, V = z_CV.shape
     step = C if z_CV.device.type != "cpu" else max(1, CACHE_BYTES // (V * z_CV.element_size()))
-    # the softmaxes' outputs go to kept buffers: a fresh pair per row block was 10-20 of a chunk's 60-70 ms
+    # the softmaxes' outputs go to kept buffers: a fresh pair per row block cost page faults on every block
     logp_bV, pt_bV = (_SCRATCH.get(slot, min(step, C), V, z_CV, z_CV.dtype) for slot in (4, 5))
     for lo in range(0, C, step):
         r, n = slice(lo, lo + step), min(step, C - lo)

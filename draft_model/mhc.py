@@ -71,8 +71,7 @@ class MHCConnection(nn.Module):
         """-> (pre_Bn, post_Bn, res_Bnn) for each token, fp32.
 
         dyn = RMSNorm(x) @ phi is computed as rsqrt(mean(x^2) + eps) * (x @ (phi * g)), g the norm's weight: the
-        same value (up to rounding), without the normalised [B, n*D] copy of the streams and its backward (measured
-        4.5 -> 2.3 ms forward and backward for 640 tokens x 4 streams x 256 on a CPU)."""
+        same value (up to rounding), without the normalised [B, n*D] copy of the streams and its backward."""
         n = self.n
         x_BF = x_BnD.flatten(-2)
         inv_rms_B1 = torch.rsqrt(x_BF.float().square().mean(-1, keepdim=True) + self.norm.eps)
@@ -89,7 +88,7 @@ class MHCConnection(nn.Module):
         """Apply `sublayer` (h_BD -> (y_BD, aux)) through the connection -> (new streams, aux)."""
         pre_Bn, post_Bn, res_Bnn = self.mixing(x_BnD)
         dtype = x_BnD.dtype
-        # matmul, not einsum: the same batched products, without einsum's permuted copies (1.2 -> 0.8 ms)
+        # matmul, not einsum: the same batched products, without einsum's permuted copies
         h_BD = (pre_Bn.to(dtype)[..., None, :] @ x_BnD).squeeze(-2)
         y_BD, aux = sublayer(h_BD)
         out = torch.addcmul(res_Bnn.to(dtype) @ x_BnD, post_Bn.to(dtype)[..., None], y_BD[..., None, :])

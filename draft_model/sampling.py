@@ -56,8 +56,8 @@ def sample_categorical(probs_BV: Tensor, generator: torch.Generator | None = Non
 
     Inverse CDF: the first index whose float64 running sum exceeds u·total, u ~ U[0, 1). A zero-probability entry
     adds nothing to the sum, so it is never drawn; a one-hot row gives its hot index. One uniform per row instead
-    of torch.multinomial's V exponentials: 15x faster on CPU at V = 49152 (1.4 -> 0.09 ms), which is a quarter of
-    a 1-layer draft's time per round, where it samples γ times. A row without positive finite mass (all zeros,
+    of torch.multinomial's V exponentials: much faster on a CPU at a real vocabulary, where a draft samples γ times
+    per round (docs/design-notes.md, "Measured kernels"). A row without positive finite mass (all zeros,
     NaN: a diverged model) is an error, as it is for torch.multinomial."""
     cdf = probs_BV.double().cumsum(-1)
     torch._assert_async((cdf[..., -1] > 0).all() & cdf[..., -1].isfinite().all(),
