@@ -1,4 +1,4 @@
-"""Evaluation report: the report files of an offline evaluation (metrics: evaluation/metrics.py).
+"""Evaluation report: the report files of an offline evaluation (metrics: serving/metrics.py).
 
 `write_report(results, out_dir)` takes one result of `evaluation.evaluate.evaluate` or a list of them (one per
 drafter / temperature) and writes

@@ -22,10 +22,10 @@ from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from evaluation.drafters import DecodeContext, DSparkDrafter, Proposal, TargetOnly, make_drafter
 from evaluation.evaluate import evaluate, evaluate_many
-from evaluation.metrics import expected_calibration_error, roc_auc
 from evaluation.report import write_report
 from evaluation.session import TargetSession, generate
 from pipeline.target_model import capture_features, embedding_weights
+from serving.metrics import expected_calibration_error, roc_auc
 
 
 @pytest.fixture(autouse=True, scope="module")
