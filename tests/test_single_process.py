@@ -59,8 +59,8 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     assert "step 20/20 | loss" in res.stderr
     assert json.loads((run_dir / "export" / "config.json").read_text())["draft"]["vocab_size"] == 49152
 
+    from pipeline.export import load_exported_draft
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
@@ -126,8 +126,8 @@ def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, ga
     """MTP-1 and the draft LM train 3 steps on the tiny MoE target with finite losses, and their export loads back
     as the same architecture."""
     from pipeline.config import load_config
+    from pipeline.export import load_exported_draft
     from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
     from workers.single_process import train_single_process
 
     run_dir = tmp_path / preset

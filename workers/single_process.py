@@ -30,15 +30,15 @@ from torch import nn
 from draft_model.batch import BlockBatch
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, save_config
+from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
-from workers.checkpoint import CheckpointManager, export_draft
+from workers.checkpoint import CheckpointManager
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.train_loop import MicroBatch, fit, resume
 from workers.train_step import (
     DraftWithLoss,
     compile_draft,
-    export_meta,
     pack_micro_batch,
     param_groups,
     setup_moe_balance,

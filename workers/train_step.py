@@ -208,11 +208,6 @@ def step_metrics(totals: list[float], global_w: float, cfg: RunConfig, world: in
     }
 
 
-def export_meta(cfg: RunConfig) -> dict[str, Any]:
-    """config.json of an export (workers/checkpoint.export_draft): what `load_exported_draft` rebuilds from."""
-    return {"draft": cfg.draft.to_dict(), "target": cfg.target.path, "format": "dspark-draft-v1"}
-
-
 def format_step(step: int, max_steps: int, m: dict[str, float], eta_s: float) -> str:
     return (f"step {step}/{max_steps} | loss {m['loss']:.4f} (ce {m['loss_ce']:.3f} tv {m['loss_tv']:.3f} "
             f"conf {m['loss_conf']:.3f}) | lr {m['lr']:.2e} | tok/s {m['tokens_per_s']:.0f} | "

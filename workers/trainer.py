@@ -22,9 +22,10 @@ from torch import nn
 
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
+from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
-from workers.checkpoint import CheckpointError, CheckpointManager, export_draft
+from workers.checkpoint import CheckpointError, CheckpointManager
 from workers.ledger import Ledger
 from workers.preemption import stop_on_signal
 from workers.reshard import load_universal, universal_source
@@ -33,7 +34,6 @@ from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume, res
 from workers.train_step import (
     DraftWithLoss,
     compile_draft,
-    export_meta,
     pack_micro_batch,
     param_groups,
     setup_moe_balance,
