@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.contracts import FeatureBatch  # noqa: E402
 from pipeline.packing import pack, padded_baseline_density  # noqa: E402
-from pipeline.target_model import smollm2_tokenizer  # noqa: E402
+from workers.target.model import smollm2_tokenizer  # noqa: E402
 
 MODULES = ["ast", "json", "email", "argparse", "inspect", "typing", "dataclasses", "textwrap", "difflib",
            "logging", "http", "collections", "pathlib", "functools"]

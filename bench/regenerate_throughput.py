@@ -32,7 +32,7 @@ def main() -> None:
 
     from pipeline.data_stage import render_prompt
     from pipeline.regenerate import GenParams, batch_seed, generate_batch
-    from pipeline.target_model import load_target, smollm2_path
+    from workers.target.model import load_target, smollm2_path
 
     model, tok = load_target(smollm2_path())
     model.to(args.device)

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 from pipeline.contracts import TokenizedSample  # noqa: E402
-from pipeline.target_model import resolve_target_path  # noqa: E402
+from workers.target.model import resolve_target_path  # noqa: E402
 from workers.target_group import TargetGroup  # noqa: E402
 from workers.target_worker import TargetWorker  # noqa: E402
 

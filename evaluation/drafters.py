@@ -152,8 +152,8 @@ def load_drafter(export_dir: str | Path, target: nn.Module, name: str | None = N
     """An exported draft (pipeline/export.py) on `target`'s embedding/LM head and device, as a
     Drafter; calibrated by export_dir/calibration.json when present and `calibrated`."""
     from pipeline.export import load_exported_draft
-    from pipeline.target_model import embedding_weights
     from serving.calibration import load_calibration
+    from workers.target.model import embedding_weights
 
     export_dir = Path(export_dir)
     if not export_dir.is_dir():

@@ -78,8 +78,8 @@ def calibrate(export: Path, target_name: str, prompt_names: list[str], num_promp
     from evaluation.report import json_safe
     from evaluation.rounds import load_round_arrays, write_rounds
     from launch.evaluate_draft import check_exports
-    from pipeline.target_model import load_target, resolve_target_path
     from serving.calibration import calibration_report, fit_sts, plot_reliability, save_calibration
+    from workers.target.model import load_target, resolve_target_path
 
     check_exports({"draft": export})
     if not (math.isfinite(temperature) and temperature >= 0):

@@ -57,7 +57,7 @@ def make_generator(args: argparse.Namespace, target: Path):
 
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if not args.ray:
-        from pipeline.target_model import load_target
+        from workers.target.model import load_target
         from workers.target_worker import as_dtype
 
         model, tokenizer = load_target(target, dtype=as_dtype(dtype))
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1, got {args.num_workers}")
-        from pipeline.target_model import load_tokenizer, resolve_target_path
+        from workers.target.model import load_tokenizer, resolve_target_path
 
         target = resolve_target_path(args.target)
         tokenizer = load_tokenizer(target)

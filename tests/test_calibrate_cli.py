@@ -20,8 +20,8 @@ from evaluation.drafters import DecodeContext, load_drafter
 from evaluation.rounds import load_round_arrays, load_rounds
 from launch import calibrate_draft, evaluate_draft
 from pipeline.export import export_draft
-from pipeline.target_model import embedding_weights, load_target, resolve_target_path
 from serving.calibration import apply_sts, load_calibration, sigmoid
+from workers.target.model import embedding_weights, load_target, resolve_target_path
 
 GAMMA = 3
 CHATS = [[{"role": "user", "content": c}] for c in ("Say hi.", "Count to five.", "Name a color.", "What is 2+2?",

@@ -18,10 +18,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import target_model as tm
 from pipeline.data_stage import build_shard, load_parquet_corpus, normalize_record, render_prompt
 from pipeline.prepare import run_data_stage
 from pipeline.regenerate import Generation, GenParams, LocalGenerator, generate_batch
+from workers.target import model as tm
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3 = 5."},

@@ -13,7 +13,7 @@ from draft_model.registry import build_draft
 from evaluation.rounds import load_rounds
 from launch.evaluate_draft import main
 from pipeline.export import export_draft
-from pipeline.target_model import embedding_weights, load_target, resolve_target_path
+from workers.target.model import embedding_weights, load_target, resolve_target_path
 
 
 def export_untrained_draft(out) -> None:

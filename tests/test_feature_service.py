@@ -14,8 +14,8 @@ import ray
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore, write_samples
-from pipeline.target_model import resolve_target_path
 from workers.feature_service import FeatureService
+from workers.target.model import resolve_target_path
 
 
 @pytest.fixture(scope="module")

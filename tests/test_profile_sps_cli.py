@@ -11,8 +11,8 @@ import json
 import pytest
 
 from launch import profile_sps
-from pipeline.target_model import load_target, resolve_target_path
 from serving.sps import REQUIRED_META, SPSTable
+from workers.target.model import load_target, resolve_target_path
 
 
 def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path, capsys):

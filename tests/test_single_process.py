@@ -60,7 +60,7 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     assert json.loads((run_dir / "export" / "config.json").read_text())["draft"]["vocab_size"] == 49152
 
     from pipeline.export import load_exported_draft
-    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
@@ -127,8 +127,8 @@ def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, ga
     as the same architecture."""
     from pipeline.config import load_config
     from pipeline.export import load_exported_draft
-    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
     from workers.single_process import train_single_process
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
 
     run_dir = tmp_path / preset
     cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml",

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import target_model as tm
 from pipeline.contracts import TokenizedSample
+from workers.target import model as tm
 from workers.target_worker import TargetWorker, plan_micro_batches, start_target_actor
 
 LAYERS = [1, 3, -1]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config import RunConfig, save_config
-from pipeline.target_model import resolve_target_path
+from workers.target.model import resolve_target_path
 
 
 class InputError(ValueError):
@@ -64,7 +64,7 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
 def load_samples(cfg: RunConfig, target_path: Path) -> list:
     from pipeline.corpus import default_corpus, load_jsonl_corpus
     from pipeline.data_stage import load_parquet_corpus
-    from pipeline.target_model import load_tokenizer
+    from workers.target.model import load_tokenizer
 
     tokenizer = load_tokenizer(target_path)
     try:

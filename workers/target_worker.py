@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
-from pipeline.target_model import (
+from workers.target.model import (
     FINAL_HIDDEN,
     capture_features,
     embedding_weights,
