@@ -30,7 +30,7 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
         return  # a .gguf target: the target worker reports its dimensions once loaded
     from transformers import AutoConfig
 
-    from pipeline.target_sharding import check_sharding
+    from workers.target.sharding import check_sharding
 
     tc = AutoConfig.from_pretrained(str(target_path))
     tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc

@@ -67,7 +67,7 @@ class TargetGroupMember:
         import torch
         import torch.distributed as dist
 
-        from pipeline.target_sharding import distributed_config
+        from workers.target.sharding import distributed_config
         from workers.target_worker import TargetWorker
 
         self.rank = rank
