@@ -29,8 +29,8 @@ import ray  # noqa: E402
 
 from pipeline.contracts import TokenizedSample  # noqa: E402
 from workers.target.model import resolve_target_path  # noqa: E402
+from workers.target.worker import TargetWorker  # noqa: E402
 from workers.target_group import TargetGroup  # noqa: E402
-from workers.target_worker import TargetWorker  # noqa: E402
 
 
 def _batches(n: int, samples: int, seq_len: int, vocab: int) -> list[list[TokenizedSample]]:

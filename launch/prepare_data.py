@@ -58,7 +58,7 @@ def make_generator(args: argparse.Namespace, target: Path):
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if not args.ray:
         from workers.target.model import load_target
-        from workers.target_worker import as_dtype
+        from workers.target.worker import as_dtype
 
         model, tokenizer = load_target(target, dtype=as_dtype(dtype))
         model.to("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,7 +66,7 @@ def make_generator(args: argparse.Namespace, target: Path):
     import ray
 
     from launch.train_v4_draft import worker_runtime_env
-    from workers.target_worker import start_target_actor
+    from workers.target.worker import start_target_actor
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=worker_runtime_env(),
              **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))

@@ -13,7 +13,7 @@ own id and the output no longer depends on which rows share a batch; larger batc
 docs/data_stage.md) but a row's sample depends on its batch-mates' padding and RNG draws.
 
 Where generation runs: `LocalGenerator` in this process (tests, single machine), `RayGenerator` through
-TargetWorker actors (workers/target_worker.py), one batch per actor call, batches spread over the actors.
+TargetWorker actors (workers/target/worker.py), one batch per actor call, batches spread over the actors.
 
 Legend (shape suffixes): B prompts in the batch, L longest prompt, N new tokens generated.
 """

@@ -184,7 +184,7 @@ def test_generation_is_seeded_and_batch_one_is_independent_of_the_batch(tok, tin
 
 
 def test_target_worker_generate_matches_in_process(tok, tiny, tiny_dir):
-    from workers.target_worker import TargetWorker
+    from workers.target.worker import TargetWorker
 
     model, _ = tiny
     prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in ("x", "y z")]
@@ -308,7 +308,7 @@ def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_pa
     import ray
 
     from pipeline.regenerate import RayGenerator
-    from workers.target_worker import start_target_actor
+    from workers.target.worker import start_target_actor
 
     model, _ = tiny
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Question {i}?"} for i in range(5)])

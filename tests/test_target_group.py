@@ -25,8 +25,8 @@ from workers.feature_service import FeatureService
 from workers.orchestrate import InputError, check_cluster_fits
 from workers.target.model import resolve_target_path
 from workers.target.sharding import check_sharding
+from workers.target.worker import TargetWorker
 from workers.target_group import TargetGroup
-from workers.target_worker import TargetWorker
 
 LAYERS = [1, 2, -1]
 

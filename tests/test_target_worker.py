@@ -11,7 +11,7 @@ import torch
 
 from pipeline.contracts import TokenizedSample
 from workers.target import model as tm
-from workers.target_worker import TargetWorker, plan_micro_batches, start_target_actor
+from workers.target.worker import TargetWorker, plan_micro_batches, start_target_actor
 
 LAYERS = [1, 3, -1]
 

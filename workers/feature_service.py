@@ -41,7 +41,7 @@ def target_worker_options(target: dict[str, Any]) -> dict[str, Any]:
 class FeatureService:
     def __init__(self, samples_path: str, target: dict[str, Any], layers: list[int], samples_per_batch: int,
                  seed: int, max_in_flight: int, replay_batches: int = 0) -> None:
-        from workers.target_worker import TargetWorker
+        from workers.target.worker import TargetWorker
 
         self._samples = SampleStore(samples_path)
         if not len(self._samples):

@@ -163,7 +163,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     directory."""
     from pipeline.sample_store import samples_digest as digest_samples
     from workers.orchestrate import InputError, check_resume, check_samples, resolve_inputs
-    from workers.target_worker import TargetWorker
+    from workers.target.worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
     if cfg.train.precision == "bf16" and not on_gpu:

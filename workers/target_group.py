@@ -68,7 +68,7 @@ class TargetGroupMember:
         import torch.distributed as dist
 
         from workers.target.sharding import distributed_config
-        from workers.target_worker import TargetWorker
+        from workers.target.worker import TargetWorker
 
         self.rank = rank
         # Ray gives a GPU member exactly one visible GPU, so its local device is always index 0.
