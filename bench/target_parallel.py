@@ -1,7 +1,7 @@
 """TP = 1 vs TP = 2 target workers on one target, in one run: the same features, the weights really split, and the
 feature throughput of each.
 
-TP = 1 is one TargetWorker actor (1 CPU, or 1 GPU); TP = 2 is a target group (workers/target_group.py) of two
+TP = 1 is one TargetWorker actor (1 CPU, or 1 GPU); TP = 2 is a target group (workers/target/group.py) of two
 members with the same resources each, the target sharded by transformers' tensor parallelism (gloo on CPU, NCCL on
 GPU). Both encode the same batches (random token ids, fp32 features); after one warm-up batch each, the timed
 batches run one after another. max_abs_diff is over every context and final feature of every batch;
@@ -28,9 +28,9 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 from pipeline.contracts import TokenizedSample  # noqa: E402
+from workers.target.group import TargetGroup  # noqa: E402
 from workers.target.model import resolve_target_path  # noqa: E402
 from workers.target.worker import TargetWorker  # noqa: E402
-from workers.target_group import TargetGroup  # noqa: E402
 
 
 def _batches(n: int, samples: int, seq_len: int, vocab: int) -> list[list[TokenizedSample]]:

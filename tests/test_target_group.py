@@ -23,10 +23,10 @@ from pipeline.order import batch_sample_ids
 from pipeline.sample_store import write_samples
 from workers.feature_service import FeatureService
 from workers.orchestrate import InputError, check_cluster_fits
+from workers.target.group import TargetGroup
 from workers.target.model import resolve_target_path
 from workers.target.sharding import check_sharding
 from workers.target.worker import TargetWorker
-from workers.target_group import TargetGroup
 
 LAYERS = [1, 2, -1]
 

@@ -2,7 +2,7 @@
 
 `TargetWorker` is a plain class (tested without Ray, used in-process by workers/single_process.py);
 `start_target_actor` places it as a Ray actor with the GPUs/CPUs it needs. A target spread over several GPUs is
-loaded with a `device_map` inside the worker, or sharded over a target group (workers/target_group.py: one
+loaded with a `device_map` inside the worker, or sharded over a target group (workers/target/group.py: one
 TargetWorker per group member, built with a transformers `distributed` config); callers only see FeatureBatches.
 
 Legend (shape suffixes):
