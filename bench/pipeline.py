@@ -29,8 +29,8 @@ from launch.train_v4_draft import DEFAULT_CONFIG, connect_ray  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.metrics import get_logger, read_jsonl_metrics  # noqa: E402
 from pipeline.packing import pack  # noqa: E402
-from workers.feature_service import FeatureService  # noqa: E402
 from workers.orchestrate import load_samples, run_training  # noqa: E402
+from workers.target.feature_service import FeatureService  # noqa: E402
 from workers.target.model import resolve_target_path  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import ray
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore, write_samples
-from workers.feature_service import FeatureService
+from workers.target.feature_service import FeatureService
 from workers.target.model import resolve_target_path
 
 

@@ -191,10 +191,10 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
-    from workers.feature_service import FeatureService
     from workers.preemption import StoppedEarly, stop_on_signal
     from workers.reshard import adapt_to_checkpoint
     from workers.run_control import RunControl
+    from workers.target.feature_service import FeatureService
     from workers.trainer import train_loop
 
     meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
