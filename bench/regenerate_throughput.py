@@ -31,7 +31,8 @@ def main() -> None:
     import torch
 
     from pipeline.data_stage import render_prompt
-    from pipeline.regenerate import GenParams, batch_seed, generate_batch
+    from pipeline.regenerate import GenParams, batch_seed
+    from workers.target.generation import generate_batch
     from workers.target.model import load_target, smollm2_path
 
     model, tok = load_target(smollm2_path())

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_generator(args: argparse.Namespace, target: Path):
     import torch
 
-    from pipeline.regenerate import LocalGenerator, RayGenerator
+    from workers.target.generation import LocalGenerator, RayGenerator
 
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if not args.ray:

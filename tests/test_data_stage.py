@@ -20,8 +20,9 @@ import pytest
 
 from pipeline.data_stage import build_shard, load_parquet_corpus, normalize_record, render_prompt
 from pipeline.prepare import run_data_stage
-from pipeline.regenerate import Generation, GenParams, LocalGenerator, generate_batch
+from pipeline.regenerate import Generation, GenParams
 from workers.target import model as tm
+from workers.target.generation import LocalGenerator, generate_batch
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3 = 5."},
@@ -307,7 +308,7 @@ def test_cli_resumes_after_sigkill(tiny_dir, tmp_path):
 def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_path):
     import ray
 
-    from pipeline.regenerate import RayGenerator
+    from workers.target.generation import RayGenerator
     from workers.target.worker import start_target_actor
 
     model, _ = tiny

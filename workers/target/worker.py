@@ -105,9 +105,9 @@ class TargetWorker:
         return embed_cpu, (embed_cpu if head is embed else _whole(head).cpu())
 
     def generate(self, prompts: list[list[int]], params, seed: int) -> list:
-        """The target's replies to rendered prompts (the data stage's regeneration; see pipeline/regenerate.py):
+        """The target's replies to rendered prompts (the data stage's regeneration; see workers/target/generation.py):
         one Generation (new token ids, finished) per prompt."""
-        from pipeline.regenerate import generate_batch
+        from workers.target.generation import generate_batch
 
         return generate_batch(self.model, self.tokenizer, prompts, params, seed)
 
