@@ -12,6 +12,7 @@ import pytest
 
 from launch import profile_sps
 from serving.sps import REQUIRED_META, SPSTable
+from workers.target.engine_step import EngineStep
 from workers.target.model import load_target, resolve_target_path
 
 
@@ -33,7 +34,7 @@ def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path, capsys):
 
 def test_engine_step_keeps_the_context_and_runs_rectangular_batches():
     model, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
-    step = profile_sps.EngineStep(model, requests=3, context=10)
+    step = EngineStep(model, requests=3, context=10)
     for B in (3, 4, 9):
         step(B)
         assert step.cache.get_seq_length() == 10
