@@ -3,7 +3,7 @@
 Run: python bench/regenerate_throughput.py [--max-new-tokens 64] [--batch-sizes 1 8] [--device cpu]
 
 Batch size 1 seeds every row by its own id (output independent of the other rows); larger batches are faster but
-a row's sample depends on which rows share its batch (pipeline/regenerate.py). Prints one line per batch size.
+a row's sample depends on which rows share its batch (pipeline/data/regenerate.py). Prints one line per batch size.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from pipeline.data_stage import render_prompt
-    from pipeline.regenerate import GenParams, batch_seed
+    from pipeline.data.regenerate import GenParams, batch_seed
+    from pipeline.data.rows import render_prompt
     from workers.target.generation import generate_batch
     from workers.target.model import load_target, smollm2_path
 

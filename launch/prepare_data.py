@@ -79,8 +79,8 @@ def make_generator(args: argparse.Namespace, target: Path):
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    from pipeline.prepare import run_data_stage
-    from pipeline.regenerate import GenParams
+    from pipeline.data.prepare import run_data_stage
+    from pipeline.data.regenerate import GenParams
 
     try:
         if args.num_workers < 1:

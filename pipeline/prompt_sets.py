@@ -13,7 +13,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from pipeline.corpus import _function_prompts, stdlib_files
+from pipeline.data.corpus import _function_prompts, stdlib_files
 
 _MATH_TEMPLATES = [
     "A baker makes {a} loaves of bread every day for {b} days and sells {c} loaves in total. How many loaves are "

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data_stage import build_shard, load_parquet_corpus, normalize_record, render_prompt
-from pipeline.prepare import run_data_stage
-from pipeline.regenerate import Generation, GenParams
+from pipeline.data.prepare import run_data_stage
+from pipeline.data.regenerate import Generation, GenParams
+from pipeline.data.rows import build_shard, load_parquet_corpus, normalize_record, render_prompt
 from workers.target import model as tm
 from workers.target.generation import LocalGenerator, generate_batch
 

