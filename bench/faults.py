@@ -23,7 +23,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 from launch_helpers import TINY_MOE, FaultSchedule, LoopbackHead, quiet_env, run_launch  # noqa: E402
 

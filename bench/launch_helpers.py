@@ -1,4 +1,6 @@
-"""Helpers for tests that run the real launch script: a tiny MoE target config and a loopback Ray head."""
+"""The launch harness of the benchmarks and tests that run the real launch script: a tiny MoE target config, a
+loopback Ray head, and a fault schedule. Imported by its own name: bench/ is the folder of a bench script, and
+pytest puts bench/ on sys.path (pyproject.toml)."""
 
 from __future__ import annotations
 
