@@ -90,7 +90,7 @@ def reads_real_text(name: str) -> bool:
 
 
 def stage_data(work: Path, s: dict, log) -> Path:
-    from pipeline.prompt_sets import training_prompts
+    from prompt_sets import training_prompts
 
     out = work / "data"
     progress = out / "progress.json"

@@ -71,7 +71,7 @@ def _plain_documents(tokenizer, files: list[Path], rng: random.Random, min_len: 
             yield piece, mask
 
 
-def _function_prompts(path: Path, base: Path, rng: random.Random) -> Iterator[tuple[str, list[dict]]]:
+def function_prompts(path: Path, base: Path, rng: random.Random) -> Iterator[tuple[str, list[dict]]]:
     """(name, messages) for each public function with a docstring: explain it, or implement it."""
     text = _read(path)
     try:
@@ -101,7 +101,7 @@ def _function_prompts(path: Path, base: Path, rng: random.Random) -> Iterator[tu
 def _chat_documents(tokenizer, files: list[Path], base: Path, rng: random.Random, min_len: int,
                     max_len: int, skipped: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for path in files:
-        for name, messages in _function_prompts(path, base, rng):
+        for name, messages in function_prompts(path, base, rng):
             ids, mask = render_chat(tokenizer, messages, sample_name=name)
             if not (min_len <= len(ids) <= max_len):
                 skipped[0] += 1  # never truncated: a cut reply would teach the draft a wrong end of turn
