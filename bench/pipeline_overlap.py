@@ -9,7 +9,7 @@ All three use the same config (default: the `tiny` preset, SmolLM2-135M on real 
 On a 2-core machine the default uses 1 trainer, so that target worker and trainer each own one core as they do
 when measured alone.
 
-Run: python bench/pipeline.py [--steps 14] [--warmup 4] [--trainers 1] [extra dotted overrides...]
+Run: python bench/pipeline_overlap.py [--steps 14] [--warmup 4] [--trainers 1] [extra dotted overrides...]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    log = get_logger("bench.pipeline")
+    log = get_logger("bench.pipeline_overlap")
     base = [f"cluster.num_trainers={args.trainers}", f"train.max_steps={args.warmup + args.steps}",
             "checkpoint.export=false", "train.tensorboard=false", f"checkpoint.every_steps={10 ** 6}",
             *args.overrides]
