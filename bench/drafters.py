@@ -46,11 +46,10 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from launch.evaluate_draft import speedup_table, tau_table
+from pipeline.metrics import get_logger
 
-from launch.evaluate_draft import speedup_table, tau_table  # noqa: E402
-from pipeline.metrics import get_logger  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SCALES = {
     # prompts regenerated, reply budget, row length, training steps, eval prompts per set, eval reply budget

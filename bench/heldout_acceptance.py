@@ -24,9 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 
 def sample_replies(target, tok, prompts: int, max_new: int, seed: int) -> list[dict]:
     from evaluation.prompts import resolve_prompt_sets

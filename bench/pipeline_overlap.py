@@ -15,23 +15,19 @@ Run: python bench/pipeline_overlap.py [--steps 14] [--warmup 4] [--trainers 1] [
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import ray
 
-import ray  # noqa: E402
-
-from launch.train_v4_draft import DEFAULT_CONFIG, connect_ray  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.metrics import get_logger, read_jsonl_metrics  # noqa: E402
-from pipeline.packing import pack  # noqa: E402
-from workers.orchestrate import load_samples, run_training  # noqa: E402
-from workers.target.feature_service import FeatureService  # noqa: E402
-from workers.target.model import resolve_target_path  # noqa: E402
+from launch.train_v4_draft import DEFAULT_CONFIG, connect_ray
+from pipeline.config import load_config
+from pipeline.metrics import get_logger, read_jsonl_metrics
+from pipeline.packing import pack
+from workers.orchestrate import load_samples, run_training
+from workers.target.feature_service import FeatureService
+from workers.target.model import resolve_target_path
 
 
 def target_only(cfg, samples, target_path: Path, batches: int, warmup: int) -> float:

@@ -9,13 +9,7 @@ a row's sample depends on which rows share its batch (pipeline/data/regenerate.p
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in one sentence.",
            "Give three uses of a paperclip.", "What is 17 times 3?", "Name a famous painter and one of their works.",

@@ -44,21 +44,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from drafters import GAMMA, SCALES, stage_data, stage_train
+
+from pipeline.metrics import get_logger
+from serving import simulator as sim
+from serving.sps import SPSTable
+from serving.summary import headline, headline_line
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.drafters import GAMMA, SCALES, stage_data, stage_train  # noqa: E402
-from pipeline.metrics import get_logger  # noqa: E402
-from serving import simulator as sim  # noqa: E402
-from serving.sps import SPSTable  # noqa: E402
-from serving.summary import headline, headline_line  # noqa: E402
 
 DRAFTERS = ["dspark", "dflash", "eagle3", "mtp1", "draft-lm"]
 SEQUENTIAL = {"eagle3", "draft-lm"}  # draft time linear in the drafted positions; the others ~constant

@@ -47,8 +47,6 @@ import torch
 from peak_rss import reset_peak, rss_kib  # bench/ itself is on sys.path: this script's own folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if "--child" not in sys.argv:  # a child imports the draft code from the tree it is given (--code)
-    sys.path.insert(0, REPO)
 
 GIB = 1024**3
 OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
@@ -94,7 +92,7 @@ def _batch(cfg, seqs: int, seq_len: int, anchors: int, vocab: int, seed: int):
 
 
 def child(args: argparse.Namespace) -> None:
-    sys.path.insert(0, args.code)
+    sys.path.insert(0, args.code)  # needed: the draft code of the tree this variant measures (an old commit's too)
     from draft_model import loss as loss_module
     from draft_model.config import LossConfig
     from draft_model.loss import draft_loss

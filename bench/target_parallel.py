@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import ray
+
+from pipeline.contracts import TokenizedSample
+from workers.target.group import TargetGroup
+from workers.target.model import resolve_target_path
+from workers.target.worker import TargetWorker
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from pipeline.contracts import TokenizedSample  # noqa: E402
-from workers.target.group import TargetGroup  # noqa: E402
-from workers.target.model import resolve_target_path  # noqa: E402
-from workers.target.worker import TargetWorker  # noqa: E402
 
 
 def _batches(n: int, samples: int, seq_len: int, vocab: int) -> list[list[TokenizedSample]]:
