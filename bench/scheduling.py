@@ -22,7 +22,7 @@ Output in <work-dir>/scheduling/: sweep_{cpu,gpu}.json, table, pareto_{cpu,gpu}.
 tokens/s), verify_len_{cpu,gpu}.png (mean ℓ vs R). Stages 1-4 are cached and resume; the sweeps are recomputed
 (seconds).
 
-Definitions of the last line (serving/summary.py, tests/test_serving_summary.py): best_static(R) = the DSpark
+Definitions of the last line (bench/sweep_summary.py, tests/test_sweep_summary.py): best_static(R) = the DSpark
 static γ with the highest aggregate tokens/s at R; knee = the smallest swept R where best_static's per-user
 tokens/s has fallen to half its value at R = 1 (half speed rather than maximum curvature: one robust crossing on a
 sparse power-of-two grid; the largest R if never, and the bench says so); alg1/best_static@knee and
@@ -50,11 +50,11 @@ from pathlib import Path
 
 import numpy as np
 from drafters import GAMMA, SCALES, stage_data, stage_train
+from sweep_summary import headline, headline_line
 
 from pipeline.metrics import get_logger
 from serving import simulator as sim
 from serving.sps import SPSTable
-from serving.summary import headline, headline_line
 
 REPO = Path(__file__).resolve().parents[1]
 
