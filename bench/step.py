@@ -107,7 +107,8 @@ def child(args: argparse.Namespace) -> None:
     lm_head = torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5
     model = DraftModel(cfg, embed, lm_head)
     torch.nn.init.normal_(model.head.w2_RV, std=0.02)
-    # the optimizer each tree's trainers build: torch's AdamW, fused since the step work (workers/trainer.py)
+    # the optimizer each tree's trainers build: torch's AdamW, fused since the step work
+    # (workers/trainer/ray_trainer.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.variant != "old")
     loss_cfg = LossConfig(chunk_rows=64) if args.variant == "old" else LossConfig()
     if args.variant == "fp32" or in_tree_old:  # the opt-out, and the old step's precision (it had no such key)

@@ -77,14 +77,14 @@ class _ListSink(NullSink):
 
 
 def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> dict[int, list[float]]:
-    """Each stage: the same seeded draft, DeepSpeed engine (workers/trainer.deepspeed_engine), loop and data;
-    ends with the loop's final checkpoint. Returns rank 0's logged losses per stage."""
-    import workers.trainer as trainer
+    """Each stage: the same seeded draft, DeepSpeed engine (workers/trainer/ray_trainer.deepspeed_engine), loop and
+    data; ends with the loop's final checkpoint. Returns rank 0's logged losses per stage."""
+    import workers.trainer.ray_trainer as trainer
     from pipeline.metrics import get_logger
     from workers.checkpoint import CheckpointManager
     from workers.train_loop import fit
     from workers.train_step import DraftWithLoss, setup_moe_balance
-    from workers.trainer import deepspeed_engine
+    from workers.trainer.ray_trainer import deepspeed_engine
 
     # ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5 elements) whole on every rank, and
     # every parameter of this tiny draft is under it: without 0 here, stage 3 would partition nothing

@@ -84,8 +84,8 @@ def test_a_killed_member_restarts_its_whole_group_and_the_batch_is_rerun(local_r
         ((m0, m1),) = ray.get(svc.workers.remote())
         old = [ray.get(m.pid.remote()) for m in (m0, m1)]
         os.kill(old[1], signal.SIGKILL)  # rank 1 crashes; rank 0 is left mid-group
-        # the trainer's path (workers/trainer.py): a batch whose ref died is asked for again. Batch 1 may have been
-        # produced before the kill; the next ones run into the dead member, fail, and are asked for again
+        # the trainer's path (workers/trainer/ray_trainer.py): a batch whose ref died is asked for again. Batch 1 may
+        # have been produced before the kill; the next ones run into the dead member, fail, and are asked for again
         retried = 0
         for b in (1, 2, 3):
             for attempt in range(4):

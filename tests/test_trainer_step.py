@@ -92,7 +92,7 @@ def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
     from pipeline.config import RunConfig
     from workers.single_process import TorchEngine
     from workers.train_step import param_groups
-    from workers.trainer import deepspeed_config
+    from workers.trainer.ray_trainer import deepspeed_config
 
     torch.manual_seed(0)
     cfg = RunConfig()

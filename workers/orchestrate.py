@@ -195,7 +195,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from workers.reshard import adapt_to_checkpoint
     from workers.run_control import RunControl
     from workers.target.feature_service import FeatureService
-    from workers.trainer import train_loop
+    from workers.trainer.ray_trainer import train_loop
 
     meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
     if meta is not None:
@@ -247,7 +247,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         with stop_on_signal(lambda name: control.request_stop.remote(name)):
             trainer.fit()
         fatal, reason = ray.get([control.fatal_error.remote(), control.stop_reason.remote()])
-        if fatal is not None:  # the retried trainer group returned at once (workers/trainer.train_loop)
+        if fatal is not None:  # the retried trainer group returned at once (workers/trainer/ray_trainer.train_loop)
             raise TrainingFailed(fatal)
     finally:
         ray.get(service.shutdown.remote())

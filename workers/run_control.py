@@ -38,7 +38,7 @@ class RunControl:
         return self._reason
 
     def record_fatal(self, message: str) -> None:
-        """A trainer failed in a way a restart would repeat (workers/trainer.FATAL_ERRORS)."""
+        """A trainer failed in a way a restart would repeat (workers/trainer/ray_trainer.FATAL_ERRORS)."""
         if self._fatal is None:
             self._fatal = message
 

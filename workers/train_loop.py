@@ -1,5 +1,6 @@
-"""The one training loop, shared by the Ray Train + DeepSpeed trainers (workers/trainer.py) and the single-process
-trainer (workers/single_process.py). It never asks how it is deployed; what differs comes in as parameters:
+"""The one training loop, shared by the Ray Train + DeepSpeed trainers (workers/trainer/ray_trainer.py) and the
+single-process trainer (workers/single_process.py). It never asks how it is deployed; what differs comes in as
+parameters:
 
 - `batches`   a `StepBatches`: this rank's packed micro-batches of a step. `start(step)` begins fetching them
               without blocking, `take(step)` waits for them. The loop starts step s+1 before it trains step s,

@@ -1,5 +1,5 @@
-"""One optimizer step of draft training, shared by the Ray Train + DeepSpeed trainers (workers/trainer.py) and
-the single-process trainer (workers/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is anything
+"""One optimizer step of draft training, shared by the Ray Train + DeepSpeed trainers (workers/trainer/ray_trainer.py)
+and the single-process trainer (workers/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is anything
 with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `engine.step()`, stepping the
 optimizer at the gradient-accumulation boundary).
 
