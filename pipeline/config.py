@@ -79,7 +79,7 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 100
     lr: float = 3e-4
-    # the sequential head's table (W1, W2) trains at lr x this (workers/train_step.py). W2 starts at zero, and at
+    # the sequential head's table (W1, W2) trains at lr x this (workers/trainer/step.py). W2 starts at zero, and at
     # the backbone's lr the head's bias stayed under 0.11 logits for 100 steps; at 10x held-out tau rose 8 % over
     # DFlash at one pass over the data (docs/design-notes.md, "Training the sequential head")
     head_lr_scale: float = 10.0
@@ -91,7 +91,7 @@ class TrainConfig:
     grad_accum: int = 1
     zero_stage: int = 2
     precision: str = "fp32"  # "fp32" | "bf16" (DeepSpeed's bf16 mode; --single-process: bf16 autocast on a GPU)
-    compile: bool = False  # torch.compile each draft decoder layer (workers/train_step.compile_draft)
+    compile: bool = False  # torch.compile each draft decoder layer (workers/trainer/step.compile_draft)
     seed: int = 0
     log_every: int = 1
     tensorboard: bool = True

@@ -40,7 +40,7 @@ def _run_cfg(aux_coef: float = 0.0) -> RunConfig:
 
 def _micro(b: int, block_size: int):
     """Global feature batch `b` packed: two sequences, anchors that vary with b (some blocks cut short)."""
-    from workers.train_step import MicroBatch
+    from workers.trainer.step import MicroBatch
 
     lens = [10 + b % 5, 8 + (3 * b) % 7]
     blocks = [(0, 0), (0, 1 + b % 6), (1, (2 * b) % 6), (1, lens[1] - 2)]
@@ -83,8 +83,8 @@ def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> di
     from pipeline.metrics import get_logger
     from workers.checkpoint import CheckpointManager
     from workers.train_loop import fit
-    from workers.train_step import DraftWithLoss, setup_moe_balance
     from workers.trainer.ray_trainer import deepspeed_engine
+    from workers.trainer.step import DraftWithLoss, setup_moe_balance
 
     # ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5 elements) whole on every rank, and
     # every parameter of this tiny draft is under it: without 0 here, stage 3 would partition nothing
@@ -136,7 +136,7 @@ def _aux_step(rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
     micro-batches of step 0; returns the logged loss and the parameter update."""
     import deepspeed
 
-    from workers.train_step import DraftWithLoss, all_reduce_sum, optimizer_step, setup_moe_balance, step_metrics
+    from workers.trainer.step import DraftWithLoss, all_reduce_sum, optimizer_step, setup_moe_balance, step_metrics
 
     cfg = _run_cfg(aux_coef=0.5)
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ from pipeline.order import batch_index_for, batch_sample_ids
 from workers.checkpoint import CheckpointManager
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.train_loop import MicroBatch, fit, resume
-from workers.train_step import (
+from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
     pack_micro_batch,

@@ -14,7 +14,7 @@ parameters:
               rank checkpoints after that step and `fit` returns early; if any says checkpoint, all checkpoint
               after that step and go on (a node of the group is being drained).
 
-Per step: fetch, `optimizer_step` (workers/train_step.py: loss scaling and the step itself), the all-reduced
+Per step: fetch, `optimizer_step` (workers/trainer/step.py: loss scaling and the step itself), the all-reduced
 metrics, one log line, the sink, and a checkpoint (with the sample ledger) every
 `checkpoint.every_steps`, at the end, and when asked to stop. Collectives go through torch.distributed when it is
 initialised and are no-ops otherwise (one process).
@@ -38,7 +38,7 @@ from pipeline.order import batch_index_for
 from workers.checkpoint import CheckpointManager
 from workers.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
 from workers.preemption import Notice
-from workers.train_step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
+from workers.trainer.step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
 
 __all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume", "resume_ledger"]
 

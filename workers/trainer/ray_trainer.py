@@ -3,7 +3,7 @@
 Rank r of R builds the draft, its DeepSpeed engine and a `FeatureServiceBatches` source, then runs the shared loop
 (workers/train_loop.py): per optimizer step it fetches its `grad_accum` feature batches from the FeatureService
 (batch indices from pipeline/order.py) while the previous step computes, packs them into BlockBatches and runs
-`optimizer_step` (workers/train_step.py): one ZeRO step. The LM head is applied here, locally, at the block
+`optimizer_step` (workers/trainer/step.py): one ZeRO step. The LM head is applied here, locally, at the block
 positions only (inside the chunked loss).
 """
 
@@ -31,7 +31,7 @@ from workers.preemption import stop_on_signal
 from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
 from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
-from workers.train_step import (
+from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
     pack_micro_batch,
