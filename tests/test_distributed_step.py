@@ -1,5 +1,5 @@
 """Two real DeepSpeed ranks over gloo: the MoE aux loss is optimised exactly as it is logged, and every ZeRO stage
-the config accepts (0-3) trains the tiny V4-style draft through the shared loop (workers/train_loop.fit) to the
+the config accepts (0-3) trains the tiny V4-style draft through the shared loop (workers/trainer/loop.fit) to the
 same losses.
 
 Run: python -m pytest tests/test_distributed_step.py -q     (about 45 s on 2 cores)
@@ -82,7 +82,7 @@ def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> di
     import workers.trainer.ray_trainer as trainer
     from pipeline.metrics import get_logger
     from workers.checkpoint import CheckpointManager
-    from workers.train_loop import fit
+    from workers.trainer.loop import fit
     from workers.trainer.ray_trainer import deepspeed_engine
     from workers.trainer.step import DraftWithLoss, setup_moe_balance
 

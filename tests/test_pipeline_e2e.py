@@ -99,7 +99,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, head):
 
 
 def test_ray_and_single_process_trainers_log_the_same_losses(tmp_path, head):
-    """The shared loop (workers/train_loop.py) under its two deployments, 1 trainer rank, same config and data:
+    """The shared loop (workers/trainer/loop.py) under its two deployments, 1 trainer rank, same config and data:
     Ray FeatureService + DeepSpeed ZeRO-2 vs in-process TargetWorker + TorchEngine. Equal to 1e-5 relative: fp32
     draft, the same bf16-rounded features, the same batches; only DeepSpeed's and torch's AdamW/clipping kernels
     differ in summation order."""

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class Notice(NamedTuple):
-    """What a rank's poll said at a step boundary (workers/train_loop.fit sums the votes over ranks)."""
+    """What a rank's poll said at a step boundary (workers/trainer/loop.fit sums the votes over ranks)."""
 
     stop: bool = False  # checkpoint after this step, then return (the job exits PREEMPTED_EXIT)
     checkpoint: bool = False  # checkpoint after this step and train on (a node is about to go)

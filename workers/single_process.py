@@ -2,7 +2,7 @@
 
 The pieces are the distributed pipeline's own: `TargetWorker.encode` makes the features (rounded through the wire
 dtype, as on the object store), pipeline/order.py fixes the batch order, pipeline/packing.py packs the blocks, and
-the shared loop (workers/train_loop.py) runs the steps. Only the engine and the batch source differ: `TorchEngine`
+the shared loop (workers/trainer/loop.py) runs the steps. Only the engine and the batch source differ: `TorchEngine`
 is torch's AdamW, gradient-norm clipping and a LambdaLR that follows DeepSpeed's WarmupCosineLR step for step
 (with the same config it updates the parameters exactly as the DeepSpeed engine does: tests/test_trainer_step.py);
 `LocalBatches` runs the target for the next step on a background thread while this one trains.
@@ -35,7 +35,7 @@ from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
 from workers.checkpoint import CheckpointManager
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
-from workers.train_loop import MicroBatch, fit, resume
+from workers.trainer.loop import MicroBatch, fit, resume
 from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,

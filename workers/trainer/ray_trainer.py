@@ -1,7 +1,7 @@
 """Draft trainer workers: the Ray Train (TorchTrainer) entry point that runs a DeepSpeed engine on packed blocks.
 
 Rank r of R builds the draft, its DeepSpeed engine and a `FeatureServiceBatches` source, then runs the shared loop
-(workers/train_loop.py): per optimizer step it fetches its `grad_accum` feature batches from the FeatureService
+(workers/trainer/loop.py): per optimizer step it fetches its `grad_accum` feature batches from the FeatureService
 (batch indices from pipeline/order.py) while the previous step computes, packs them into BlockBatches and runs
 `optimizer_step` (workers/trainer/step.py): one ZeRO step. The LM head is applied here, locally, at the block
 positions only (inside the chunked loss).
@@ -30,7 +30,7 @@ from workers.ledger import Ledger
 from workers.preemption import stop_on_signal
 from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
-from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
+from workers.trainer.loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
 from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
