@@ -24,8 +24,8 @@ Run: python bench/drafters.py --scale cpu      (every drafter by default: about 
      python bench/drafters.py --scale cpu --work-dir runs/drafters-long --steps 300 --drafters dspark dflash
      python bench/drafters.py --scale gpu --time-budget 480   (one GPU: larger data, longer training)
 The cpu scale trains through Ray + DeepSpeed (2 ZeRO-2 trainers); the gpu scale through the single-process trainer
-(workers/single_process.py, the same step and an engine that updates exactly as DeepSpeed's), so it also runs on a
-machine without Ray or DeepSpeed; `--trainer` picks either. With --time-budget, the gpu scale times a few steps
+(workers/trainer/single_process.py, the same step and an engine that updates exactly as DeepSpeed's), so it also runs on
+a machine without Ray or DeepSpeed; `--trainer` picks either. With --time-budget, the gpu scale times a few steps
 of each drafter first and trains all of them for the same number of steps that fits about half the budget left
 after the data stage; the evaluation gets the rest and stops starting prompts, for every drafter alike, when it
 runs out.
@@ -155,7 +155,7 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
     cfg = run_config(data, s, name, run_dir, s["steps"], extra)
     t0 = time.time()
     if s["trainer"] == "single":
-        from workers.single_process import train_single_process
+        from workers.trainer.single_process import train_single_process
 
         train_single_process(cfg, log, resume_from=CheckpointManager(run_dir).latest())
     else:
@@ -266,7 +266,7 @@ def cost_table(work: Path, names: list[str], macro: dict, use_gpu: bool, tempera
 def calibrate_steps(work: Path, data: Path, s: dict, drafters: list[str], budget_s: float, log) -> int:
     """Training steps per drafter that fit `budget_s` for all of them, from a short timed run of each."""
     from pipeline.metrics import read_jsonl_metrics
-    from workers.single_process import train_single_process
+    from workers.trainer.single_process import train_single_process
 
     probe_steps, total = 12, 0.0
     for name in drafters:

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="refuse to start if the run dir already has checkpoints")
     p.add_argument("--single-process", action="store_true",
                    help="target and trainer in this process on one device, without Ray or DeepSpeed "
-                        "(workers/single_process.py); same checkpoints, metrics and export")
+                        "(workers/trainer/single_process.py); same checkpoints, metrics and export")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.num_samples=64")
     return p.parse_args(argv)
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     failure: tuple[int, str] | None = None
     try:
         if args.single_process:
-            from workers.single_process import train_single_process
+            from workers.trainer.single_process import train_single_process
 
             train_single_process(cfg, log, resume_from=latest)
         else:

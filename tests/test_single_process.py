@@ -1,5 +1,5 @@
-"""`launch/train_v4_draft.py --single-process` (workers/single_process.py) trains a draft end to end on a machine
-where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
+"""`launch/train_v4_draft.py --single-process` (workers/trainer/single_process.py) trains a draft end to end on a
+machine where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
 target; a run killed after a checkpoint and started again resumes with the losses of an uninterrupted run; bad
 input is one `error:` line, exit status 2. The serving baselines (mtp1, draft-lm) train a few steps through the
 same trainer, in this process.
@@ -127,8 +127,8 @@ def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, ga
     as the same architecture."""
     from pipeline.config import load_config
     from pipeline.export import load_exported_draft
-    from workers.single_process import train_single_process
     from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.trainer.single_process import train_single_process
 
     run_dir = tmp_path / preset
     cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml",

@@ -129,7 +129,7 @@ def test_two_groups_side_by_side_serve_alternate_batches(local_ray, tmp_path):
 def test_single_process_refuses_a_group(tmp_path):
     import logging
 
-    from workers.single_process import train_single_process
+    from workers.trainer.single_process import train_single_process
 
     cfg = load_config(None, ["target.tp_size=2", f"checkpoint.run_dir={tmp_path}"])
     with pytest.raises(InputError, match=r"^--single-process holds the whole target in this process: target.tp_size"):

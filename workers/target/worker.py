@@ -1,6 +1,6 @@
 """Target worker: holds the frozen target and turns token sequences into FeatureBatch messages.
 
-`TargetWorker` is a plain class (tested without Ray, used in-process by workers/single_process.py);
+`TargetWorker` is a plain class (tested without Ray, used in-process by workers/trainer/single_process.py);
 `start_target_actor` places it as a Ray actor with the GPUs/CPUs it needs. A target spread over several GPUs is
 loaded with a `device_map` inside the worker, or sharded over a target group (workers/target/group.py: one
 TargetWorker per group member, built with a transformers `distributed` config); callers only see FeatureBatches.

@@ -1,5 +1,5 @@
 """The one training loop, shared by the Ray Train + DeepSpeed trainers (workers/trainer/ray_trainer.py) and the
-single-process trainer (workers/single_process.py). It never asks how it is deployed; what differs comes in as
+single-process trainer (workers/trainer/single_process.py). It never asks how it is deployed; what differs comes in as
 parameters:
 
 - `batches`   a `StepBatches`: this rank's packed micro-batches of a step. `start(step)` begins fetching them
@@ -7,7 +7,7 @@ parameters:
               so the next step's features are fetched while this one computes (Ray: the FeatureService calls are
               in flight; single process: a one-deep background thread runs the target).
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
-              `load_checkpoint`): a DeepSpeed engine, or workers/single_process.TorchEngine.
+              `load_checkpoint`): a DeepSpeed engine, or workers/trainer/single_process.TorchEngine.
 - `checkpointer` a workers/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
 - `ledger`    a workers/ledger.Ledger (from `resume`): the samples each committed step trained.
 - `poll`      called once per step on every rank: a workers/preemption.Notice. If any rank says stop, every

@@ -1,6 +1,6 @@
 """One optimizer step of draft training, shared by the Ray Train + DeepSpeed trainers (workers/trainer/ray_trainer.py)
-and the single-process trainer (workers/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is anything
-with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `engine.step()`, stepping the
+and the single-process trainer (workers/trainer/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is
+anything with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `engine.step()`, stepping the
 optimizer at the gradient-accumulation boundary).
 
 Loss scaling: the engine divides the loss by grad_accum and averages gradients over R ranks; we want the gradient
