@@ -145,7 +145,7 @@ def run_config(data: Path, s: dict, name: str, run_dir: Path, steps: int, extra:
 
 
 def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
-    from workers.checkpoint import CheckpointManager
+    from workers.trainer.checkpoint import CheckpointManager
 
     run_dir = work / "runs" / name
     if (run_dir / "export" / "config.json").is_file():

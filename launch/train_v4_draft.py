@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from workers.checkpoint import CheckpointManager
+    from workers.trainer.checkpoint import CheckpointManager
 
     run_dir = Path(cfg.checkpoint.run_dir).resolve()
     cfg.checkpoint.run_dir = str(run_dir)

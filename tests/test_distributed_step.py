@@ -81,7 +81,7 @@ def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> di
     data; ends with the loop's final checkpoint. Returns rank 0's logged losses per stage."""
     import workers.trainer.ray_trainer as trainer
     from pipeline.metrics import get_logger
-    from workers.checkpoint import CheckpointManager
+    from workers.trainer.checkpoint import CheckpointManager
     from workers.trainer.loop import fit
     from workers.trainer.ray_trainer import deepspeed_engine
     from workers.trainer.step import DraftWithLoss, setup_moe_balance

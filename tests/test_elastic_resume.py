@@ -67,7 +67,7 @@ def _phase(rank: int, world: int, runs: list[tuple[int, int, str, str | None, fl
     load."""
     from draft_model.moe import MoE
     from draft_model.registry import build_draft
-    from workers.checkpoint import CheckpointManager
+    from workers.trainer.checkpoint import CheckpointManager
     from workers.trainer.loop import fit
     from workers.trainer.ray_trainer import resumed_engine
     from workers.trainer.step import DraftWithLoss, setup_moe_balance

@@ -150,7 +150,7 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     """TorchEngine's checkpoint (through CheckpointManager: safetensors weights, optimizer/scheduler/RNG loaded with
     weights_only=True) restores a fresh engine so that its next steps equal an uninterrupted engine's exactly."""
     from pipeline.config import RunConfig
-    from workers.checkpoint import CheckpointManager, write_manifest
+    from workers.trainer.checkpoint import CheckpointManager, write_manifest
     from workers.trainer.single_process import TorchEngine
 
     cfg = RunConfig()

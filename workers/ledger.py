@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     """python -m workers.ledger RUN_DIR_OR_CHECKPOINT: audit a run's latest checkpoint (or the one given)."""
     import sys
 
-    from workers.checkpoint import CheckpointManager
+    from workers.trainer.checkpoint import CheckpointManager
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

@@ -253,7 +253,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         ray.get(service.shutdown.remote())
         ray.kill(service, no_restart=True)
     if reason is not None:
-        from workers.checkpoint import CheckpointManager
+        from workers.trainer.checkpoint import CheckpointManager
 
         # the trainers verified and wrote it just now: sizes are enough to find its step
         latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest(verify="size")

@@ -8,7 +8,7 @@ is torch's AdamW, gradient-norm clipping and a LambdaLR that follows DeepSpeed's
 `LocalBatches` runs the target for the next step on a background thread while this one trains.
 
 Use it on one GPU or CPU where Ray and DeepSpeed are not installed (bench/drafters.py on a lent accelerator) and
-for debugging. It writes the same resumable checkpoints as the Ray trainers (workers/checkpoint.py layout, with
+for debugging. It writes the same resumable checkpoints as the Ray trainers (workers/trainer/checkpoint.py layout, with
 TorchEngine's state under ds/), and running it again on the same run dir resumes from `latest`. The draft trains in
 fp32 (TF32 matmuls on CUDA); the target runs in target.dtype.
 """
@@ -33,8 +33,8 @@ from pipeline.config import RunConfig, save_config
 from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
-from workers.checkpoint import CheckpointManager
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
+from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.loop import MicroBatch, fit, resume
 from workers.trainer.step import (
     DraftWithLoss,
