@@ -24,7 +24,7 @@ from pathlib import Path
 from launch_helpers import TINY_MOE, FaultSchedule, LoopbackHead, quiet_env, run_launch
 
 from pipeline.metrics import read_jsonl_metrics
-from workers.ledger import audit_checkpoint
+from workers.trainer.ledger import audit_checkpoint
 
 
 def losses(run_dir: Path) -> dict[int, float]:

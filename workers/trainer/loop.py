@@ -9,7 +9,7 @@ parameters:
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
               `load_checkpoint`): a DeepSpeed engine, or workers/trainer/single_process.TorchEngine.
 - `checkpointer` a workers/trainer/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
-- `ledger`    a workers/ledger.Ledger (from `resume`): the samples each committed step trained.
+- `ledger`    a workers/trainer/ledger.Ledger (from `resume`): the samples each committed step trained.
 - `poll`      called once per step on every rank: a workers/preemption.Notice. If any rank says stop, every
               rank checkpoints after that step and `fit` returns early; if any says checkpoint, all checkpoint
               after that step and go on (a node of the group is being drained).
@@ -35,9 +35,9 @@ import torch.distributed as dist
 from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
-from workers.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
 from workers.preemption import Notice
 from workers.trainer.checkpoint import CheckpointManager
+from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
 from workers.trainer.step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
 
 __all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume", "resume_ledger"]

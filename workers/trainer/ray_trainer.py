@@ -25,11 +25,11 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
-from workers.ledger import Ledger
 from workers.preemption import stop_on_signal
 from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
+from workers.trainer.ledger import Ledger
 from workers.trainer.loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
 from workers.trainer.step import (
     DraftWithLoss,
