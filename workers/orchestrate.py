@@ -105,7 +105,7 @@ RESUMABLE_CHANGES = (
     "loss.chunk_rows",  # the same sum over other chunks: memory and speed only
     "draft.attn_impl",  # packed and gather agree to 1e-5 (tests/test_attention_paths.py)
 )
-# Owned by elastic resume (workers/reshard.py): only the product, the global batch, must stay.
+# Owned by elastic resume (workers/trainer/reshard.py): only the product, the global batch, must stay.
 GLOBAL_BATCH = ("train.grad_accum", "cluster.num_trainers")
 FILLED_FROM_TARGET = ("draft.vocab_size", "draft.hidden_size")  # 0 in the config until the target is resolved
 # keys whose default changed after they existed: a checkpoint's config that lacks one ran with this value
@@ -192,14 +192,14 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from ray.train.torch import TorchTrainer
 
     from workers.preemption import StoppedEarly, stop_on_signal
-    from workers.reshard import adapt_to_checkpoint
     from workers.run_control import RunControl
     from workers.target.feature_service import FeatureService
     from workers.trainer.ray_trainer import train_loop
+    from workers.trainer.reshard import adapt_to_checkpoint
 
     meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
     if meta is not None:
-        try:  # another trainer count: keep the checkpoint's global batch (workers/reshard.py)
+        try:  # another trainer count: keep the checkpoint's global batch (workers/trainer/reshard.py)
             adapt_to_checkpoint(cfg, meta, log)
         except ValueError as e:
             raise InputError(str(e)) from e

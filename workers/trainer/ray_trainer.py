@@ -26,11 +26,11 @@ from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
 from workers.preemption import stop_on_signal
-from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
 from workers.trainer.ledger import Ledger
 from workers.trainer.loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
+from workers.trainer.reshard import load_universal, universal_source
 from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
@@ -43,7 +43,8 @@ from workers.trainer.step import (
 def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, Any]:
     t = cfg.train
     return {
-        "checkpoint": {"load_universal": load_universal},  # a checkpoint of another world size (workers/reshard.py)
+        # load_universal: a checkpoint of another world size (workers/trainer/reshard.py)
+        "checkpoint": {"load_universal": load_universal},
         "train_micro_batch_size_per_gpu": 1,  # one packed batch per micro-step; its size is set by data.*
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
@@ -88,7 +89,7 @@ def resumed_engine(module: DraftWithLoss, cfg: RunConfig, ckpts: CheckpointManag
                    rank: int, world: int, log: Any, samples_digest: str = "") -> Resumed:
     """`module` under DeepSpeed, restored from checkpoint `resume_from` (None: a fresh start), with its step and
     sample ledger. A checkpoint of another world size goes through DeepSpeed's universal checkpoint
-    (workers/reshard.py)."""
+    (workers/trainer/reshard.py)."""
     universal = universal_source(resume_from, cfg, rank, world)  # None unless the world size changed
     engine = deepspeed_engine(module, cfg, load_universal=universal is not None)
     if universal is None:
