@@ -77,24 +77,24 @@ class _ListSink(NullSink):
 
 
 def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> dict[int, list[float]]:
-    """Each stage: the same seeded draft, DeepSpeed engine (workers/trainer/ray_trainer.deepspeed_engine), loop and
+    """Each stage: the same seeded draft, DeepSpeed engine (workers/trainer/engines.deepspeed_engine), loop and
     data; ends with the loop's final checkpoint. Returns rank 0's logged losses per stage."""
-    import workers.trainer.ray_trainer as trainer
+    import workers.trainer.engines as engines
     from pipeline.metrics import get_logger
     from workers.trainer.checkpoint import CheckpointManager
+    from workers.trainer.engines import deepspeed_engine
     from workers.trainer.loop import fit
-    from workers.trainer.ray_trainer import deepspeed_engine
     from workers.trainer.step import DraftWithLoss, setup_moe_balance
 
     # ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5 elements) whole on every rank, and
     # every parameter of this tiny draft is under it: without 0 here, stage 3 would partition nothing
-    config = trainer.deepspeed_config
+    config = engines.deepspeed_config
 
     def partition_all(*args, **kwargs) -> dict:
         c = config(*args, **kwargs)
         return {**c, "zero_optimization": {**c["zero_optimization"], "stage3_param_persistence_threshold": 0}}
 
-    trainer.deepspeed_config = partition_all  # this rank's own process: nothing else sees it
+    engines.deepspeed_config = partition_all  # this rank's own process: nothing else sees it
     embed, head = frozen_weights()
     out = {}
     for stage in stages:

@@ -62,14 +62,14 @@ class _GlobalBatches:
 
 def _phase(rank: int, world: int, runs: list[tuple[int, int, str, str | None, float, str]]) -> list[dict]:
     """Each run (stage, grad_accum, run_dir, resume_from, bias rate, precision) through the trainer's own resume path
-    (workers/trainer/ray_trainer.resumed_engine: universal_source -> deepspeed_engine -> resume | load_universal).
+    (workers/trainer/engines.resumed_engine: universal_source -> deepspeed_engine -> resume | load_universal).
     Rank 0 returns the logged losses by step, the LR of the first resumed step and the MoE balance bias right after the
     load."""
     from draft_model.moe import MoE
     from draft_model.registry import build_draft
     from workers.trainer.checkpoint import CheckpointManager
+    from workers.trainer.engines import resumed_engine
     from workers.trainer.loop import fit
-    from workers.trainer.ray_trainer import resumed_engine
     from workers.trainer.step import DraftWithLoss, setup_moe_balance
 
     log = logging.getLogger("test")

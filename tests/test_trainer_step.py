@@ -85,13 +85,12 @@ def test_grad_accum_step_is_the_global_batch_gradient(single_rank_env):
 
 
 def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
-    """workers/trainer/single_process.TorchEngine (AdamW, clipping, WarmupCosineLR, accumulation, a head lr group) takes
+    """workers/trainer/engines.TorchEngine (AdamW, clipping, WarmupCosineLR, accumulation, a head lr group) takes
     the DeepSpeed engine's steps, parameter for parameter, so single-process runs train the same drafts."""
     import deepspeed
 
     from pipeline.config import RunConfig
-    from workers.trainer.ray_trainer import deepspeed_config
-    from workers.trainer.single_process import TorchEngine
+    from workers.trainer.engines import TorchEngine, deepspeed_config
     from workers.trainer.step import param_groups
 
     torch.manual_seed(0)
@@ -151,7 +150,7 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     weights_only=True) restores a fresh engine so that its next steps equal an uninterrupted engine's exactly."""
     from pipeline.config import RunConfig
     from workers.trainer.checkpoint import CheckpointManager, write_manifest
-    from workers.trainer.single_process import TorchEngine
+    from workers.trainer.engines import TorchEngine
 
     cfg = RunConfig()
     cfg.draft, cfg.loss = dense_cfg(block_size=4), LossConfig(chunk_rows=5)
@@ -213,7 +212,7 @@ def _tiny_run_cfg():
 def test_torch_engine_bf16_autocast_keeps_fp32_master_weights():
     """train.precision=bf16 in the single-process engine is autocast: the forward's matmuls run in bf16 (its loss
     moves off the fp32 one, by about bf16's resolution), while the parameters and their update stay fp32."""
-    from workers.trainer.single_process import TorchEngine
+    from workers.trainer.engines import TorchEngine
     from workers.trainer.step import as_loss_parts
 
     cfg = _tiny_run_cfg()

@@ -7,7 +7,7 @@ parameters:
               so the next step's features are fetched while this one computes (Ray: the FeatureService calls are
               in flight; single process: a one-deep background thread runs the target).
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
-              `load_checkpoint`): a DeepSpeed engine, or workers/trainer/single_process.TorchEngine.
+              `load_checkpoint`): a DeepSpeed engine, or workers/trainer/engines.TorchEngine.
 - `checkpointer` a workers/trainer/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
 - `ledger`    a workers/trainer/ledger.Ledger (from `resume`): the samples each committed step trained.
 - `poll`      called once per step on every rank: a workers/preemption.Notice. If any rank says stop, every

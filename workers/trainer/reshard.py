@@ -140,7 +140,7 @@ def convert(path: Path, out: Path, meta: dict[str, Any]) -> Path:
 
 
 def load_universal(engine: Any, universal: Path, path: str | Path, rank: int, log: logging.Logger) -> int:
-    """Restore `engine` (built with load_universal, `workers/trainer/ray_trainer.deepspeed_engine`) from `universal`,
+    """Restore `engine` (built with load_universal, `workers/trainer/engines.deepspeed_engine`) from `universal`,
     the converted copy of checkpoint `path`; returns the step. The LR scheduler, DeepSpeed's step counters and Adam's
     moments and step come from the universal checkpoint; buffers and RNG are restored here."""
     path = Path(path)
