@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --fresh given but {run_dir} already has checkpoint {latest.name}", file=sys.stderr)
         return 2
 
-    from workers.orchestrate import InputError, run_training
+    from workers.driver import InputError, run_training
     from workers.preemption import PREEMPTED_EXIT, StoppedEarly
 
     t0 = time.time()
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         failure = (2, str(e))
     except Exception as e:  # a failed run: one clear line, the details are in the worker logs above
-        from workers.orchestrate import root_cause
+        from workers.driver import root_cause
 
         failure = (1, f"training failed: {root_cause(e)}")
     finally:

@@ -21,7 +21,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import write_samples
-from workers.orchestrate import InputError, check_cluster_fits
+from workers.driver import InputError, check_cluster_fits
 from workers.target.feature_service import FeatureService
 from workers.target.group import TargetGroup
 from workers.target.model import resolve_target_path

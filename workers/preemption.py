@@ -1,5 +1,5 @@
 """Stopping on request without Ray: a signal handler that asks for a checkpoint at the next step boundary, and
-the exception and exit status that report such a stop. Used by the driver (workers/orchestrate.py, which forwards
+the exception and exit status that report such a stop. Used by the driver (workers/driver.py, which forwards
 the request to the trainers through workers/run_control.py) and by the single-process trainer.
 """
 
