@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --fresh given but {run_dir} already has checkpoint {latest.name}", file=sys.stderr)
         return 2
 
-    from workers.driver import InputError, run_training
+    from pipeline.errors import InputError
+    from workers.driver import run_training
     from workers.preemption import PREEMPTED_EXIT, StoppedEarly
 
     t0 = time.time()

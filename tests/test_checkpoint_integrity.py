@@ -1,4 +1,4 @@
-"""Checkpoint integrity (workers/trainer/checkpoint.py) and resume checks (workers/driver.check_resume): every
+"""Checkpoint integrity (workers/trainer/checkpoint.py) and resume checks (pipeline/resume.check_resume): every
 checkpoint is sealed by a manifest written last; `latest()` falls back past a truncated, corrupted or unsealed
 checkpoint to the newest older one that verifies, with one warning naming the file, and refuses when none does;
 a resume refuses any change of a setting that alters the data or the model. The last test runs the real
@@ -20,7 +20,8 @@ import pytest
 
 from draft_model.config import LossConfig
 from pipeline.config import RunConfig
-from workers.driver import InputError, check_resume
+from pipeline.errors import InputError
+from pipeline.resume import check_resume
 from workers.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, checkpoint_problem
 
 

@@ -19,9 +19,10 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from pipeline.contracts import TokenizedSample
+from pipeline.errors import InputError
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import write_samples
-from workers.driver import InputError, check_cluster_fits
+from workers.driver import check_cluster_fits
 from workers.target.feature_service import FeatureService
 from workers.target.group import TargetGroup
 from workers.target.model import resolve_target_path

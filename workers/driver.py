@@ -12,11 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config import RunConfig, save_config
+from pipeline.errors import InputError
+from pipeline.resume import check_resume, check_samples
 from workers.target.model import resolve_target_path
-
-
-class InputError(ValueError):
-    """Bad input the user can fix; reported as one line, exit status 2."""
 
 
 class TrainingFailed(RuntimeError):
@@ -85,68 +83,6 @@ def load_samples(cfg: RunConfig, target_path: Path) -> list:
     return samples
 
 
-# Settings a resume may change: how long the run goes, how it reports and saves, where its processes run, and
-# implementation choices proven to compute the same thing. Every other setting changes the data or the model and
-# must equal the checkpoint's (docs/fault-tolerance.md, "What a resume may change"). A dotted prefix allows a
-# whole subtree.
-RESUMABLE_CHANGES = (
-    "train.max_steps",  # train longer: both engines stretch the cosine to the new total from the restored step
-    "train.log_every", "train.tensorboard",
-    "train.compile",  # the same numbers as eager (tests/test_trainer_step.py); speed only
-    "checkpoint",  # cadence, retention, export; run_dir too: a moved run dir, the checkpoint is found inside it
-    "cluster.address", "cluster.cpus_per_trainer", "cluster.use_gpu", "cluster.resources_per_trainer",
-    "cluster.local_num_cpus", "cluster.max_failures", "cluster.dashboard_host",
-    "target.max_restarts", "target.batch_timeout_s",  # how failures are retried and waited for
-    "target.num_workers", "target.cpus_per_worker", "target.gpus_per_worker", "target.resources_per_worker",
-    "target.device_map", "target.max_tokens_per_forward",  # placement and forward chunking: same features
-    # sharding: the same features to ~1e-6 in fp32 (tests/test_target_group.py), not bit for bit
-    "target.tp_size", "target.expert_parallel",
-    "data.max_in_flight",  # the prefetch bound, not the order
-    "loss.chunk_rows",  # the same sum over other chunks: memory and speed only
-    "draft.attn_impl",  # packed and gather agree to 1e-5 (tests/test_attention_paths.py)
-)
-# Owned by elastic resume (workers/trainer/reshard.py): only the product, the global batch, must stay.
-GLOBAL_BATCH = ("train.grad_accum", "cluster.num_trainers")
-FILLED_FROM_TARGET = ("draft.vocab_size", "draft.hidden_size")  # 0 in the config until the target is resolved
-# keys whose default changed after they existed: a checkpoint's config that lacks one ran with this value
-FORMER_DEFAULTS = {"loss.matmul_dtype": "float32"}  # bfloat16 by default since the step work (#11)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        out.update(_flatten(v, name + ".") if isinstance(v, dict) and v else {name: v})
-    return out
-
-
-def _allowed(name: str) -> bool:
-    parts = name.split(".")
-    return any(".".join(parts[:i]) in RESUMABLE_CHANGES for i in range(1, len(parts) + 1))
-
-
-def check_resume(cfg: RunConfig, meta: dict) -> None:
-    """A resume must continue the same model on the same data order: refuse, naming the setting and both values,
-    any difference outside RESUMABLE_CHANGES. A key the checkpoint's config lacks (it predates the key) is
-    compared with the key's default, which by convention is the behaviour of the code before it existed, or with
-    its FORMER_DEFAULTS value where that default has changed since."""
-    saved, now = _flatten(meta.get("config", {})), _flatten(cfg.to_dict())
-    default = {**_flatten(RunConfig().to_dict()), **FORMER_DEFAULTS}
-    hint = "the same model and data order are needed; use a new --run-dir to start over"
-    (ga_a, nt_a), (ga_b, nt_b) = [[int(x.get(k, default[k])) for k in GLOBAL_BATCH] for x in (saved, now)]
-    if ga_a * nt_a != ga_b * nt_b:
-        raise InputError(f"cannot resume: the global batch (train.grad_accum x cluster.num_trainers) is {ga_b * nt_b}"
-                         f" feature batches per step now ({ga_b} x {nt_b}) but {ga_a * nt_a} in the checkpoint "
-                         f"({ga_a} x {nt_a}); a resume may regroup the global batch, not resize it ({hint})")
-    for name, value in now.items():
-        if _allowed(name) or name in GLOBAL_BATCH or name in FILLED_FROM_TARGET:
-            continue
-        old = saved.get(name, default.get(name))
-        if old != value:
-            raise InputError(f"cannot resume: {name} is {value!r} now but {old!r} in the checkpoint (pass "
-                             f"{name}={old} to continue this run; {hint})")
-
-
 def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
     """The target's path and the training samples, after every check that needs no worker (InputError if bad)."""
     if cfg.data.max_len <= cfg.draft.block_size:
@@ -169,15 +105,6 @@ def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:
     from pipeline.sample_store import SAMPLES_FILE, samples_digest, write_samples
 
     return write_samples(samples, run_dir / SAMPLES_FILE), samples_digest(samples)
-
-
-def check_samples(meta: dict, samples_digest: str) -> None:
-    """A resume must train on the same token sequences: the checkpoint records the sha256 of their tokens."""
-    saved = meta.get("data_position", {}).get("samples_digest")
-    if saved and saved != samples_digest:
-        raise InputError(f"cannot resume: the training samples differ from the checkpoint's (sha256 "
-                         f"{samples_digest[:12]} now, {saved[:12]} there): data.source changed on disk; use a new "
-                         "--run-dir to start over")
 
 
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],

@@ -74,8 +74,10 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
                          resume_from: Path | None = None) -> Path:
     """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
     directory."""
+    from pipeline.errors import InputError
+    from pipeline.resume import check_resume, check_samples
     from pipeline.sample_store import samples_digest as digest_samples
-    from workers.driver import InputError, check_resume, check_samples, resolve_inputs
+    from workers.driver import resolve_inputs
     from workers.target.worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
