@@ -25,7 +25,8 @@ from launch.train_v4_draft import DEFAULT_CONFIG, connect_ray
 from pipeline.config import load_config
 from pipeline.metrics import get_logger, read_jsonl_metrics
 from pipeline.packing import pack
-from workers.driver import load_samples, run_training
+from workers.driver import run_training
+from workers.inputs import load_samples
 from workers.target.feature_service import FeatureService
 from workers.target.model import resolve_target_path
 

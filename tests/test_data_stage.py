@@ -264,7 +264,7 @@ def test_parquet_is_zstd_and_loads_as_training_samples(tok, tmp_path):
 
 def test_training_config_reads_a_parquet_source(tok, tmp_path):
     from pipeline.config import RunConfig
-    from workers.driver import load_samples
+    from workers.inputs import load_samples
 
     src = _write_jsonl(tmp_path / "in.jsonl", BAD_RECORDS)
     run_data_stage([str(src)], tok, tmp_path / "out", max_len=64)

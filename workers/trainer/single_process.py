@@ -77,7 +77,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     from pipeline.errors import InputError
     from pipeline.resume import check_resume, check_samples
     from pipeline.sample_store import samples_digest as digest_samples
-    from workers.driver import resolve_inputs
+    from workers.inputs import resolve_inputs
     from workers.target.worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
