@@ -161,8 +161,7 @@ def stage_train(work: Path, data: Path, s: dict, name: str, log) -> Path:
     else:
         import ray
 
-        from launch.train_v4_draft import connect_ray
-        from workers.driver import run_training
+        from workers.driver import connect_ray, run_training
 
         try:
             run_training(cfg, CheckpointManager(run_dir).latest(), connect=lambda: connect_ray(cfg), log=log)

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import ray
 
-from launch.train_v4_draft import DEFAULT_CONFIG, connect_ray
 from pipeline.config import load_config
 from pipeline.metrics import get_logger, read_jsonl_metrics
 from pipeline.packing import pack
-from workers.driver import run_training
+from workers.driver import REPO, connect_ray, run_training
 from workers.inputs import load_samples
 from workers.target.feature_service import FeatureService
 from workers.target.model import resolve_target_path
@@ -62,7 +61,7 @@ def steady_rate(run_dir: Path, warmup: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--config", default=str(REPO / "launch" / "configs" / "tiny.yaml"))
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--trainers", type=int, default=1)

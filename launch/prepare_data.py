@@ -65,7 +65,7 @@ def make_generator(args: argparse.Namespace, target: Path):
         return LocalGenerator(model, tokenizer), None
     import ray
 
-    from launch.train_v4_draft import worker_runtime_env
+    from workers.driver import worker_runtime_env
     from workers.target.worker import start_target_actor
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=worker_runtime_env(),

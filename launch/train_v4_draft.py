@@ -19,7 +19,6 @@ Exit status: 0 on success, 2 for a bad config or bad input (one clear line on st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -60,31 +59,6 @@ def build_config(args: argparse.Namespace):
     return load_config(path, overrides)
 
 
-def worker_runtime_env() -> dict | None:
-    """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
-    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared)."""
-    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-        return None
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}}
-
-
-def connect_ray(cfg) -> None:
-    import ray
-
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = worker_runtime_env()
-    if address:
-        ray.init(address=address, runtime_env=runtime_env)
-        return
-    t, c = cfg.target, cfg.cluster
-    needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
-    num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
-    # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
-    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
-             runtime_env=runtime_env)
-
-
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
     from pipeline.metrics import get_logger
@@ -114,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from pipeline.errors import InputError
-    from workers.driver import run_training
+    from workers.driver import connect_ray, run_training
     from workers.preemption import PREEMPTED_EXIT, StoppedEarly
 
     t0 = time.time()

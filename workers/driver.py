@@ -9,6 +9,7 @@ does not match the checkpoint) raise InputError before any worker starts or any 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from pipeline.config import RunConfig, save_config
 from pipeline.errors import InputError
 from pipeline.resume import check_resume, check_samples
 from workers.inputs import resolve_inputs, write_run_samples
+
+# the checkout this module runs from; Ray workers started by this driver import the same code (worker_runtime_env)
+REPO = Path(__file__).resolve().parents[1]
 
 
 class TrainingFailed(RuntimeError):
@@ -40,6 +44,31 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
         if t.tp_size > 1 and group[kind] > biggest + 1e-9:
             raise InputError(f"a target group needs {group[kind]:g} {kind}s on one node (target.tp_size={t.tp_size} "
                              f"x target.{per}={getattr(t, per):g}) but the largest node has {biggest:g}")
+
+
+def worker_runtime_env() -> dict | None:
+    """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
+    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared)."""
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return None
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}}
+
+
+def connect_ray(cfg) -> None:
+    import ray
+
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    runtime_env = worker_runtime_env()
+    if address:
+        ray.init(address=address, runtime_env=runtime_env)
+        return
+    t, c = cfg.target, cfg.cluster
+    needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
+    num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+    # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
+    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
+             runtime_env=runtime_env)
 
 
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
