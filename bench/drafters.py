@@ -46,7 +46,7 @@ from pathlib import Path
 
 import yaml
 
-from launch.evaluate_draft import speedup_table, tau_table
+from evaluation.report import speedup_table, tau_table
 from pipeline.metrics import get_logger
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def calibrate_steps(work: Path, data: Path, s: dict, drafters: list[str], budget
 
 
 def stage_eval(work: Path, exports: dict[str, Path], s: dict, log) -> list[dict]:
-    from launch.evaluate_draft import evaluate_exports
+    from evaluation.run import evaluate_exports
 
     return evaluate_exports(exports, "smollm2", ["humaneval", "gsm8k", "mtbench"], s["eval_prompts"],
                             s["eval_max_new"], s["temperatures"], work / "eval", "cuda" if s["use_gpu"] else "cpu", log,

@@ -2,11 +2,11 @@
 
 1. data and drafters (dspark, dflash, eagle3, mtp1, draft-lm) from bench/drafters.py's cached stages, in its work
    dir (runs/drafters-cpu for --scale cpu, so an earlier bench/drafters.py run is reused);
-2. rounds: real speculative decoding (evaluation/, launch/evaluate_draft.evaluate_exports) of held-out HumanEval,
+2. rounds: real speculative decoding (evaluation/, evaluation/run.evaluate_exports) of held-out HumanEval,
    GSM8K and MT-Bench prompts at temperature 1.0, every round recorded at full γ (NAME-T1.0.rounds.parquet: raw
    confidence logits, n, the drafter's measured time);
 3. STS calibration of dspark's confidences: fitted on a seeded half of each set's prompts
-   (launch/calibrate_draft.split_prompts, serving.calibration.fit_sts), ECE reported on the other half; ONLY the
+   (evaluation/calibrate.split_prompts, serving.calibration.fit_sts), ECE reported on the other half; ONLY the
    held-out half of the prompts is replayed below, for every drafter alike (calibration.json is written to this
    bench's directory, not into the shared export);
 4. SPS: measured on this machine (workers.target.engine_step.profile) -> sps_cpu.json, and a GPU-shaped table
@@ -73,7 +73,7 @@ QUICK_TRAIN = dict(train_prompts=16, regen_max_new=32, steps=3, regen_batch=8, r
 
 
 def stage_rounds(work: Path, exports: dict[str, Path], t: dict, log) -> dict[str, Path]:
-    from launch.evaluate_draft import evaluate_exports
+    from evaluation.run import evaluate_exports
 
     out = work / "scheduling" / "rounds"
     evaluate_exports(exports, "smollm2", DATASETS, t["eval_prompts"], t["eval_max_new"], [1.0], out, "cpu", log)
@@ -82,9 +82,9 @@ def stage_rounds(work: Path, exports: dict[str, Path], t: dict, log) -> dict[str
 
 def stage_calibration(work: Path, rounds_path: Path, seed: int, log) -> tuple[list[float], dict[str, np.ndarray]]:
     """STS on the fit half of dspark's prompts -> (temperatures, held-out prompt indices per dataset)."""
+    from evaluation.calibrate import pool_rounds, split_prompts
     from evaluation.report import json_safe
     from evaluation.rounds import load_round_arrays
-    from launch.calibrate_draft import pool_rounds, split_prompts
     from serving.calibration import calibration_report, fit_sts, load_calibration, save_calibration
 
     path = work / "scheduling" / "calibration.json"

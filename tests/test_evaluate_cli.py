@@ -45,7 +45,7 @@ def test_cli_writes_report_and_resumes(tmp_path, capsys):
 
 
 def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
-    from launch.evaluate_draft import speedup_table
+    from evaluation.report import speedup_table
 
     export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
@@ -65,7 +65,7 @@ def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
 
 
 def test_speedup_table_pairs_only_drafts_decoded_in_turn_with_the_baseline():
-    from launch.evaluate_draft import speedup_table
+    from evaluation.report import speedup_table
 
     def res(name, tok_s, batch, prompts=2):
         return {"drafter": name, "temperature": 1.0, "decode_batch": batch,
