@@ -21,10 +21,6 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 def main(argv: list[str] | None = None) -> int:
     from evaluation.report import speedup_table, tau_table

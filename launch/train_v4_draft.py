@@ -1,5 +1,9 @@
 """Train a DSpark draft model: frozen-target Ray workers stream hidden states to DeepSpeed draft trainers.
 
+Despite its name this script trains every draft architecture, all seven presets of draft_model/presets.py
+(draft.preset: dflash, dspark-markov, dspark-rnn, v4, eagle3, mtp1, draft-lm); the name stays because users, the
+k8s manifests and the docs call it by it.
+
 Local (starts a Ray cluster on this machine; the embedded default is the `tiny` preset on CPU):
     python launch/train_v4_draft.py
 On a Ray cluster:
@@ -8,6 +12,8 @@ On a Ray cluster:
 Re-running the same command on the same --run-dir resumes from its `latest` checkpoint.
 One process, no Ray or DeepSpeed (one GPU or CPU; the same checkpoints, resumed the same way):
     python launch/train_v4_draft.py --single-process --run-dir runs/one-gpu target.dtype=bfloat16
+
+What a command would train, without starting anything: add --print-config (the resolved config as YAML).
 
 Stopping: SIGTERM or Ctrl-C (`ray job stop`, a Kubernetes eviction) checkpoints at the next step boundary and
 exits with status 75; re-running the same command resumes there. A second signal stops at once.
@@ -23,9 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python launch/train_v4_draft.py` puts launch/ first, not the repo
-    sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[1]  # the presets are launch/configs/*.yaml of this checkout
 
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "tiny.yaml"
 
@@ -43,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--single-process", action="store_true",
                    help="target and trainer in this process on one device, without Ray or DeepSpeed "
                         "(workers/trainer/single_process.py); same checkpoints, metrics and export")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (YAML, as saved with every checkpoint) and exit; starts nothing")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.num_samples=64")
     return p.parse_args(argv)
 
@@ -70,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        from pipeline.config import config_yaml
+
+        print(config_yaml(cfg), end="")
+        return 0
 
     from workers.trainer.checkpoint import CheckpointManager
 

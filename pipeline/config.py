@@ -298,5 +298,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(apply_overrides(raw, overrides or []))
 
 
+def config_yaml(cfg: RunConfig) -> str:
+    """The config as YAML, the form `load_config` reads back (saved with every run, printed by --print-config)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(config_yaml(cfg))

@@ -21,22 +21,23 @@ import sys
 import time
 
 import pytest
-from launch_helpers import REPO, TINY_MOE, quiet_env
+from launch_helpers import LAUNCH, REPO, TINY_MOE, quiet_env
 
 from pipeline.metrics import read_jsonl_metrics
 
+# the launch script, run as __main__ in a process where `import ray` and `import deepspeed` raise ImportError, as
+# where they are not installed
 SCRIPT = """
-import sys
-sys.modules["ray"] = None          # `import ray` now raises ImportError, as where it is not installed
+import runpy, sys
+sys.modules["ray"] = None
 sys.modules["deepspeed"] = None
-sys.path.insert(0, {repo!r})
-from launch.train_v4_draft import main
-sys.exit(main(["--single-process", *{args!r}]))
+sys.argv = [{launch!r}, "--single-process", *{args!r}]
+runpy.run_path({launch!r}, run_name="__main__")
 """
 
 
 def _cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-c", SCRIPT.format(repo=str(REPO), args=args)]
+    return [sys.executable, "-c", SCRIPT.format(launch=str(LAUNCH), args=args)]
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
