@@ -305,9 +305,7 @@ def test_cli_resumes_after_sigkill(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_path):
-    import ray
-
+def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_path, local_ray):
     from workers.target.generation import RayGenerator
     from workers.target.worker import start_target_actor
 
@@ -315,11 +313,6 @@ def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_pa
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Question {i}?"} for i in range(5)])
     kw = dict(max_len=256, params=PARAMS, batch_size=2, shard_size=5)
     ref = run_data_stage([str(src)], tok, tmp_path / "ref", generator=LocalGenerator(model, tok), **kw)
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    try:
-        actors = [start_target_actor(tiny_dir, [-1]) for _ in range(2)]
-        got = run_data_stage([str(src)], tok, tmp_path / "ray", generator=RayGenerator(actors), **kw)
-    finally:
-        ray.shutdown()
+    actors = [start_target_actor(tiny_dir, [-1]) for _ in range(2)]
+    got = run_data_stage([str(src)], tok, tmp_path / "ray", generator=RayGenerator(actors), **kw)
     assert got == ref and _rows(tmp_path / "ray") == _rows(tmp_path / "ref")

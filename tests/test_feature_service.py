@@ -18,13 +18,6 @@ from workers.target.feature_service import FeatureService
 from workers.target.model import resolve_target_path
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def _samples(n: int) -> list[TokenizedSample]:
     rng = np.random.default_rng(0)
     return [TokenizedSample(i, rng.integers(0, 1000, size=8 + i % 5), np.ones(8 + i % 5, dtype=bool))

@@ -32,11 +32,7 @@ from workers.target.worker import TargetWorker
 LAYERS = [1, 2, -1]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
+RAY_CPUS = 4  # the local_ray fixture's cluster (tests/conftest.py): two groups of two members
 
 
 def _samples(n: int) -> list[TokenizedSample]:

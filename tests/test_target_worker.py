@@ -91,16 +91,6 @@ def test_wire_dtype_bf16_and_info(tiny_dirs, tokenizer):
         TargetWorker(tiny_dirs["qwen3_moe"], LAYERS, wire_dtype="float13")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    # address="local": always a fresh private cluster, never one another process left running on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_actor_matches_plain_worker(local_ray, tiny_dirs, tokenizer):
     samples = _samples(tokenizer, [12, 25, 8])
     actor = start_target_actor(str(tiny_dirs["tied"]), LAYERS, num_cpus=1, max_tokens_per_forward=64)
