@@ -16,19 +16,16 @@ Run: python bench/target_parallel.py                       (tiny random Qwen3-Mo
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
 
 from pipeline.contracts import TokenizedSample
+from workers.driver import worker_runtime_env
 from workers.target.group import TargetGroup
 from workers.target.model import resolve_target_path
 from workers.target.worker import TargetWorker
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _batches(n: int, samples: int, seq_len: int, vocab: int) -> list[list[TokenizedSample]]:
@@ -58,8 +55,7 @@ def main() -> None:
     path = str(resolve_target_path(args.target))
     gpus = 1.0 if args.gpu else 0.0
     ray.init(address="local", num_cpus=3, num_gpus=2 if args.gpu else 0, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                                                    os.environ.get("PYTHONPATH")]))}})
+             runtime_env=worker_runtime_env())
     batches = _batches(args.batches, args.samples, args.seq_len, vocab=1000)
     tokens = args.batches * args.samples * args.seq_len
     common = {"compute_dtype": "bfloat16" if args.gpu else "float32", "wire_dtype": "float32",
