@@ -21,14 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from launch_helpers import TINY_MOE, FaultSchedule, LoopbackHead, quiet_env, run_launch
 
-from launch_helpers import TINY_MOE, FaultSchedule, LoopbackHead, quiet_env, run_launch  # noqa: E402
-
-from pipeline.metrics import read_jsonl_metrics  # noqa: E402
-from workers.ledger import audit_checkpoint  # noqa: E402
+from pipeline.metrics import read_jsonl_metrics
+from workers.trainer.ledger import audit_checkpoint
 
 
 def losses(run_dir: Path) -> dict[int, float]:

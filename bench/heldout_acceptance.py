@@ -24,9 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 
 def sample_replies(target, tok, prompts: int, max_new: int, seed: int) -> list[dict]:
     from evaluation.prompts import resolve_prompt_sets
@@ -47,7 +44,7 @@ def sample_replies(target, tok, prompts: int, max_new: int, seed: int) -> list[d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("drafts", nargs="+", help="name=export_dir (workers/checkpoint.export_draft output)")
+    p.add_argument("drafts", nargs="+", help="name=export_dir (pipeline/export.py)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--prompts", type=int, default=30, help="held-out prompts per set")
     p.add_argument("--max-new", type=int, default=128)
@@ -65,9 +62,9 @@ def main() -> None:
     from draft_model.config import LossConfig
     from draft_model.loss import block_tau, draft_loss
     from pipeline.contracts import FeatureBatch
+    from pipeline.export import load_exported_draft
     from pipeline.packing import pack
-    from pipeline.target_model import capture_features, embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
+    from workers.target.model import capture_features, embedding_weights, load_target, resolve_target_path
 
     torch.set_grad_enabled(False)
     target, tok = load_target(resolve_target_path(args.target), torch.float32)

@@ -26,9 +26,8 @@ import time
 import torch
 from peak_rss import reset_peak, rss_kib  # bench/ itself is on sys.path: this script's own folder
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from draft_model.config import LossConfig  # noqa: E402
-from draft_model.loss import dspark_loss  # noqa: E402
+from draft_model.config import LossConfig
+from draft_model.loss import dspark_loss
 
 GIB = 1024**3
 

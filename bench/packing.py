@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.contracts import FeatureBatch  # noqa: E402
-from pipeline.packing import pack, padded_baseline_density  # noqa: E402
-from pipeline.target_model import smollm2_tokenizer  # noqa: E402
+from pipeline.contracts import FeatureBatch
+from pipeline.packing import pack, padded_baseline_density
+from workers.target.model import smollm2_tokenizer
 
 MODULES = ["ast", "json", "email", "argparse", "inspect", "typing", "dataclasses", "textwrap", "difflib",
            "logging", "http", "collections", "pathlib", "functools"]

@@ -3,19 +3,13 @@
 Run: python bench/regenerate_throughput.py [--max-new-tokens 64] [--batch-sizes 1 8] [--device cpu]
 
 Batch size 1 seeds every row by its own id (output independent of the other rows); larger batches are faster but
-a row's sample depends on which rows share its batch (pipeline/regenerate.py). Prints one line per batch size.
+a row's sample depends on which rows share its batch (pipeline/data/regenerate.py). Prints one line per batch size.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in one sentence.",
            "Give three uses of a paperclip.", "What is 17 times 3?", "Name a famous painter and one of their works.",
@@ -30,9 +24,10 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from pipeline.data_stage import render_prompt
-    from pipeline.regenerate import GenParams, batch_seed, generate_batch
-    from pipeline.target_model import load_target, smollm2_path
+    from pipeline.data.regenerate import GenParams, batch_seed
+    from pipeline.data.rows import render_prompt
+    from workers.target.generation import generate_batch
+    from workers.target.model import load_target, smollm2_path
 
     model, tok = load_target(smollm2_path())
     model.to(args.device)

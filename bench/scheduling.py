@@ -2,15 +2,15 @@
 
 1. data and drafters (dspark, dflash, eagle3, mtp1, draft-lm) from bench/drafters.py's cached stages, in its work
    dir (runs/drafters-cpu for --scale cpu, so an earlier bench/drafters.py run is reused);
-2. rounds: real speculative decoding (evaluation/, launch/evaluate_draft.evaluate_exports) of held-out HumanEval,
+2. rounds: real speculative decoding (evaluation/, evaluation/run.evaluate_exports) of held-out HumanEval,
    GSM8K and MT-Bench prompts at temperature 1.0, every round recorded at full γ (NAME-T1.0.rounds.parquet: raw
    confidence logits, n, the drafter's measured time);
 3. STS calibration of dspark's confidences: fitted on a seeded half of each set's prompts
-   (launch/calibrate_draft.split_prompts, serving.calibration.fit_sts), ECE reported on the other half; ONLY the
+   (evaluation/calibrate.split_prompts, serving.calibration.fit_sts), ECE reported on the other half; ONLY the
    held-out half of the prompts is replayed below, for every drafter alike (calibration.json is written to this
    bench's directory, not into the shared export);
-4. SPS: measured on this machine (launch/profile_sps.profile) -> sps_cpu.json, and a GPU-shaped table loaded from
-   --gpu-table (default serving/tables/gpu_stepcurve_example.json, a SYNTHETIC shape: the bench says so);
+4. SPS: measured on this machine (workers.target.engine_step.profile) -> sps_cpu.json, and a GPU-shaped table
+   loaded from --gpu-table (default serving/tables/gpu_stepcurve_example.json, a SYNTHETIC shape: the bench says so);
 5. serving.simulator sweeps over concurrency R on both curves: DSpark under static γ = 1..7, threshold τ = 0.5,
    Algorithm 1 and async; DFlash, Eagle3 and the draft LM at static γ = 7; MTP-1 (ℓ = 1, B = 2 per request).
    Each step is charged 1/SPS(B) plus the drafter's measured time per round (the median draft_s of its rounds),
@@ -22,7 +22,7 @@ Output in <work-dir>/scheduling/: sweep_{cpu,gpu}.json, table, pareto_{cpu,gpu}.
 tokens/s), verify_len_{cpu,gpu}.png (mean ℓ vs R). Stages 1-4 are cached and resume; the sweeps are recomputed
 (seconds).
 
-Definitions of the last line (serving/summary.py, tests/test_serving_summary.py): best_static(R) = the DSpark
+Definitions of the last line (bench/sweep_summary.py, tests/test_sweep_summary.py): best_static(R) = the DSpark
 static γ with the highest aggregate tokens/s at R; knee = the smallest swept R where best_static's per-user
 tokens/s has fallen to half its value at R = 1 (half speed rather than maximum curvature: one robust crossing on a
 sparse power-of-two grid; the largest R if never, and the bench says so); alg1/best_static@knee and
@@ -44,21 +44,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from drafters import GAMMA, SCALES, stage_data, stage_train
+from sweep_summary import headline, headline_line
+
+from pipeline.metrics import get_logger
+from serving import simulator as sim
+from serving.sps import SPSTable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.drafters import GAMMA, SCALES, stage_data, stage_train  # noqa: E402
-from pipeline.metrics import get_logger  # noqa: E402
-from serving import simulator as sim  # noqa: E402
-from serving.sps import SPSTable  # noqa: E402
-from serving.summary import headline, headline_line  # noqa: E402
 
 DRAFTERS = ["dspark", "dflash", "eagle3", "mtp1", "draft-lm"]
 SEQUENTIAL = {"eagle3", "draft-lm"}  # draft time linear in the drafted positions; the others ~constant
@@ -75,7 +73,7 @@ QUICK_TRAIN = dict(train_prompts=16, regen_max_new=32, steps=3, regen_batch=8, r
 
 
 def stage_rounds(work: Path, exports: dict[str, Path], t: dict, log) -> dict[str, Path]:
-    from launch.evaluate_draft import evaluate_exports
+    from evaluation.run import evaluate_exports
 
     out = work / "scheduling" / "rounds"
     evaluate_exports(exports, "smollm2", DATASETS, t["eval_prompts"], t["eval_max_new"], [1.0], out, "cpu", log)
@@ -84,9 +82,9 @@ def stage_rounds(work: Path, exports: dict[str, Path], t: dict, log) -> dict[str
 
 def stage_calibration(work: Path, rounds_path: Path, seed: int, log) -> tuple[list[float], dict[str, np.ndarray]]:
     """STS on the fit half of dspark's prompts -> (temperatures, held-out prompt indices per dataset)."""
+    from evaluation.calibrate import pool_rounds, split_prompts
     from evaluation.report import json_safe
     from evaluation.rounds import load_round_arrays
-    from launch.calibrate_draft import pool_rounds, split_prompts
     from serving.calibration import calibration_report, fit_sts, load_calibration, save_calibration
 
     path = work / "scheduling" / "calibration.json"
@@ -133,7 +131,7 @@ def load_streams(path: Path, held: dict[str, np.ndarray], temps) -> tuple[list[l
 
 
 def stage_sps(work: Path, t: dict, log) -> SPSTable:
-    from launch.profile_sps import profile
+    from workers.target.engine_step import profile
 
     path = work / "scheduling" / "sps_cpu.json"
     if path.is_file():

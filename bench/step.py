@@ -47,8 +47,6 @@ import torch
 from peak_rss import reset_peak, rss_kib  # bench/ itself is on sys.path: this script's own folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if "--child" not in sys.argv:  # a child imports the draft code from the tree it is given (--code)
-    sys.path.insert(0, REPO)
 
 GIB = 1024**3
 OLD_REV = "e5d53c9"  # the last commit before the packed attention path and the step work
@@ -94,7 +92,7 @@ def _batch(cfg, seqs: int, seq_len: int, anchors: int, vocab: int, seed: int):
 
 
 def child(args: argparse.Namespace) -> None:
-    sys.path.insert(0, args.code)
+    sys.path.insert(0, args.code)  # needed: the draft code of the tree this variant measures (an old commit's too)
     from draft_model import loss as loss_module
     from draft_model.config import LossConfig
     from draft_model.loss import draft_loss
@@ -109,7 +107,8 @@ def child(args: argparse.Namespace) -> None:
     lm_head = torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5
     model = DraftModel(cfg, embed, lm_head)
     torch.nn.init.normal_(model.head.w2_RV, std=0.02)
-    # the optimizer each tree's trainers build: torch's AdamW, fused since the step work (workers/trainer.py)
+    # the optimizer each tree's trainers build: torch's AdamW, fused since the step work
+    # (workers/trainer/ray_trainer.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.variant != "old")
     loss_cfg = LossConfig(chunk_rows=64) if args.variant == "old" else LossConfig()
     if args.variant == "fp32" or in_tree_old:  # the opt-out, and the old step's precision (it had no such key)

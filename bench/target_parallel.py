@@ -1,7 +1,7 @@
 """TP = 1 vs TP = 2 target workers on one target, in one run: the same features, the weights really split, and the
 feature throughput of each.
 
-TP = 1 is one TargetWorker actor (1 CPU, or 1 GPU); TP = 2 is a target group (workers/target_group.py) of two
+TP = 1 is one TargetWorker actor (1 CPU, or 1 GPU); TP = 2 is a target group (workers/target/group.py) of two
 members with the same resources each, the target sharded by transformers' tensor parallelism (gloo on CPU, NCCL on
 GPU). Both encode the same batches (random token ids, fp32 features); after one warm-up batch each, the timed
 batches run one after another. max_abs_diff is over every context and final feature of every batch;
@@ -16,21 +16,16 @@ Run: python bench/target_parallel.py                       (tiny random Qwen3-Mo
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from pipeline.contracts import TokenizedSample  # noqa: E402
-from pipeline.target_model import resolve_target_path  # noqa: E402
-from workers.target_group import TargetGroup  # noqa: E402
-from workers.target_worker import TargetWorker  # noqa: E402
+from pipeline.contracts import TokenizedSample
+from workers.driver import worker_runtime_env
+from workers.target.group import TargetGroup
+from workers.target.model import resolve_target_path
+from workers.target.worker import TargetWorker
 
 
 def _batches(n: int, samples: int, seq_len: int, vocab: int) -> list[list[TokenizedSample]]:
@@ -60,8 +55,7 @@ def main() -> None:
     path = str(resolve_target_path(args.target))
     gpus = 1.0 if args.gpu else 0.0
     ray.init(address="local", num_cpus=3, num_gpus=2 if args.gpu else 0, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                                                    os.environ.get("PYTHONPATH")]))}})
+             runtime_env=worker_runtime_env())
     batches = _batches(args.batches, args.samples, args.seq_len, vocab=1000)
     tokens = args.batches * args.samples * args.seq_len
     common = {"compute_dtype": "bfloat16" if args.gpu else "float32", "wire_dtype": "float32",

@@ -16,10 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from pipeline.metrics import read_jsonl_metrics
 
-from pipeline.metrics import read_jsonl_metrics  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -16,9 +16,13 @@ Context keys are projected and rotated once per token row in either path: the re
 packed path only the U rows some block reads (a sliding window with sparse anchors leaves most rows unread).
 RoPE's cos/sin tables are built once per forward (AttnContext) and shared by every layer.
 
+StepAttention is the other attention here: one new query per block over its gathered context keys and its own
+earlier steps, for the drafters that draft step by step (eagle3.py, draft_lm.py).
+
 Legend: T tokens in the batch, U context rows attention reads (packed path; T in the reference), N blocks,
 K block size γ, W context window width (widest in batch), D hidden, H query heads, G key/value heads, E head dim;
 packed path: R groups, B blocks per group, C context rows per group, Q = B*K query rows, L = C + Q keys.
+StepAttention: W context keys per block, S steps so far, R = H/G query heads per key/value head.
 """
 
 from __future__ import annotations
@@ -139,6 +143,44 @@ class ContextBlockAttention(GQAProjections):
             per_group(q_NKHE).transpose(1, 2), k_RLGE.transpose(1, 2), v_RLGE.transpose(1, 2),
             attn_mask=lay.mask_R1QL, enable_gqa=gqa)
         return take_rows(out_RHQE.transpose(1, 2).reshape(R * B, K, H, E), lay.slot_of_N)
+
+
+@dataclass
+class StepContext:
+    """What StepAttention reads besides the step's own keys: the context keys/values gathered per block."""
+
+    k_NGWE: torch.Tensor  # rotated context keys
+    v_NGWE: torch.Tensor
+    valid_NW: torch.Tensor  # bool: which context columns are real keys
+
+
+class StepAttention(GQAProjections):
+    """Causal GQA attention for one new query per block over [context keys ; the block's earlier steps]: the
+    step-by-step drafters' attention (eagle3.py, draft_lm.py).
+
+    The two key sets are scored separately and share one softmax, so the (large) gathered context K/V is never
+    concatenated with the step keys: a per-step concatenation would copy N*W*G*E values γ times and keep each copy
+    alive for the backward.
+    """
+
+    def keys_values(self, x_LD: torch.Tensor, pos_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [L, G, E] of normed inputs x at positions pos (any leading shape L)."""
+        G, E = self.num_kv_heads, self.head_dim
+        k = self.rope(self.k_proj(x_LD).unflatten(-1, (G, E)), pos_L)
+        return k, self.v_proj(x_LD).unflatten(-1, (G, E))
+
+    def forward(self, x_ND: torch.Tensor, pos_N: torch.Tensor, ctx: StepContext, k_NGSE: torch.Tensor,
+                v_NGSE: torch.Tensor) -> torch.Tensor:
+        N = x_ND.shape[0]
+        H, G, E = self.num_heads, self.num_kv_heads, self.head_dim
+        q_NGRE = self.rope(self.q_proj(x_ND).view(N, H, E), pos_N).view(N, G, H // G, E) * E ** -0.5
+        s_ctx_NGRW = (q_NGRE @ ctx.k_NGWE.transpose(-1, -2)).float()
+        s_ctx_NGRW = s_ctx_NGRW.masked_fill(~ctx.valid_NW[:, None, None, :], float("-inf"))
+        s_own_NGRS = (q_NGRE @ k_NGSE.transpose(-1, -2)).float()  # every earlier step and itself: all visible
+        probs = torch.softmax(torch.cat([s_ctx_NGRW, s_own_NGRS], dim=-1), dim=-1).to(x_ND.dtype)
+        W = s_ctx_NGRW.shape[-1]
+        out_NGRE = probs[..., :W] @ ctx.v_NGWE + probs[..., W:] @ v_NGSE
+        return self.o_proj(out_NGRE.reshape(N, H * E))
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -26,29 +26,17 @@ H query heads, G key/value heads, E head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draft_model.attention import token_positions_T
+from draft_model.attention import StepAttention, StepContext, token_positions_T
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
-from draft_model.eagle3 import _StepAttention
 from draft_model.ffn import SwiGLU
 from draft_model.model import DraftOutput, FrozenTargetDraft, resolve_cfg
 from draft_model.registry import register_draft
 from draft_model.sampling import probs_at_temperature, sample_categorical
-
-
-@dataclass
-class _LayerContext:
-    """One layer's context keys/values gathered per block (what _StepAttention reads from eagle3's _Context)."""
-
-    k_NGWE: torch.Tensor
-    v_NGWE: torch.Tensor
-    valid_NW: torch.Tensor
 
 
 class _DecoderLayer(nn.Module):
@@ -58,7 +46,7 @@ class _DecoderLayer(nn.Module):
         super().__init__()
         D = cfg.hidden_size
         self.attn_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
-        self.attn = _StepAttention(cfg)
+        self.attn = StepAttention(cfg)
         self.ffn_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.ffn = SwiGLU(D, cfg.resolved_intermediate_size)
 
@@ -78,7 +66,7 @@ class _DecoderLayer(nn.Module):
         h_TD = x_TD + at.o_proj(torch.cat(outs))
         return h_TD + self.ffn(self.ffn_norm(h_TD)), k_TGE, v_TGE
 
-    def step(self, x_ND: torch.Tensor, pos_N: torch.Tensor, ctx: _LayerContext, keys: list[torch.Tensor],
+    def step(self, x_ND: torch.Tensor, pos_N: torch.Tensor, ctx: StepContext, keys: list[torch.Tensor],
              values: list[torch.Tensor]) -> torch.Tensor:
         """One step of every block; appends the step's key/value ([N, G, E]) to this layer's `keys`/`values`."""
         xn_ND = self.attn_norm(x_ND)
@@ -140,7 +128,7 @@ class DraftLM(FrozenTargetDraft):
         -> (tokens_NK, probs_NKV fp32 (one-hot when greedy), conf_logit_NK or None)."""
         _, kv = self._causal(batch)  # keys of positions >= p are computed but masked: p.. are the block's steps
         index_NW, _, valid_NW = batch.context_window(0)
-        ctxs = [_LayerContext(k_TGE[index_NW].transpose(1, 2).contiguous(),
+        ctxs = [StepContext(k_TGE[index_NW].transpose(1, 2).contiguous(),
                               v_TGE[index_NW].transpose(1, 2).contiguous(), valid_NW) for k_TGE, v_TGE in kv]
         lm_VD = self.frozen_lm_head_VD
         tokens_N, p_N = batch.anchor_ids_N(), batch.anchor_pos_N

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from draft_model.attention import GQAProjections, token_positions_T
+from draft_model.attention import StepAttention, StepContext, token_positions_T
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.ffn import SwiGLU
@@ -56,42 +56,12 @@ class Eagle3Proposal:
 
 
 @dataclass
-class _Context:
-    """Per-forward state shared by the γ steps: gathered context keys/values and where each block starts."""
+class _Context(StepContext):
+    """Per-forward state shared by the γ steps: the gathered context keys/values (StepContext: positions <= p-2,
+    inside the window) and where each block starts."""
 
-    k_NGWE: torch.Tensor  # rotated context keys (positions <= p-2, inside the window)
-    v_NGWE: torch.Tensor
-    valid_NW: torch.Tensor  # bool: which context columns are real keys
     feat0_ND: torch.Tensor  # g_{p-1} (zero at p = 0): the feature of step 0
     pos0_N: torch.Tensor  # int64 position p-1 of step 0
-
-
-class _StepAttention(GQAProjections):
-    """Causal GQA attention for one new query per block over [context keys ; the block's earlier steps].
-
-    The two key sets are scored separately and share one softmax, so the (large) gathered context K/V is never
-    concatenated with the step keys: a per-step concatenation would copy N*W*G*E values γ times and keep each copy
-    alive for the backward.
-    """
-
-    def keys_values(self, x_LD: torch.Tensor, pos_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated keys and values [L, G, E] of normed inputs x at positions pos (any leading shape L)."""
-        G, E = self.num_kv_heads, self.head_dim
-        k = self.rope(self.k_proj(x_LD).unflatten(-1, (G, E)), pos_L)
-        return k, self.v_proj(x_LD).unflatten(-1, (G, E))
-
-    def forward(self, x_ND: torch.Tensor, pos_N: torch.Tensor, ctx: _Context, k_NGSE: torch.Tensor,
-                v_NGSE: torch.Tensor) -> torch.Tensor:
-        N = x_ND.shape[0]
-        H, G, E = self.num_heads, self.num_kv_heads, self.head_dim
-        q_NGRE = self.rope(self.q_proj(x_ND).view(N, H, E), pos_N).view(N, G, H // G, E) * E ** -0.5
-        s_ctx_NGRW = (q_NGRE @ ctx.k_NGWE.transpose(-1, -2)).float()
-        s_ctx_NGRW = s_ctx_NGRW.masked_fill(~ctx.valid_NW[:, None, None, :], float("-inf"))
-        s_own_NGRS = (q_NGRE @ k_NGSE.transpose(-1, -2)).float()  # every earlier step and itself: all visible
-        probs = torch.softmax(torch.cat([s_ctx_NGRW, s_own_NGRS], dim=-1), dim=-1).to(x_ND.dtype)
-        W = s_ctx_NGRW.shape[-1]
-        out_NGRE = probs[..., :W] @ ctx.v_NGWE + probs[..., W:] @ v_NGSE
-        return self.o_proj(out_NGRE.reshape(N, H * E))
 
 
 @register_draft("eagle3")
@@ -116,7 +86,7 @@ class Eagle3Draft(FrozenTargetDraft):
         self.feat_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)  # scale of g and of the draft's own a differ
         self.in_proj = nn.Linear(2 * D, D, bias=False)
         self.attn_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
-        self.attn = _StepAttention(cfg)
+        self.attn = StepAttention(cfg)
         self.ffn_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.ffn = SwiGLU(D, cfg.resolved_intermediate_size)
         self.final_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)

@@ -16,7 +16,7 @@ never imports torch.distributed. Trainers also call `defer_bias_update()`: the f
 only add up their (global) loads and `apply_bias_update()`, called once after the optimizer step, moves the bias
 from the load of the whole global batch (DeepSeek-V3 updates it "at the end of each step"). So the update does
 not depend on how that batch is split into ranks x micro-batches, and a resume on another number of trainers
-continues it exactly (workers/reshard.py). Without the call each training forward updates the bias, as above.
+continues it exactly (workers/trainer/reshard.py). Without the call each training forward updates the bias, as above.
 Note that activation recomputation would count a forward's load twice.
 
 Legend: T tokens, D hidden, E routed experts, A top-k choices per token, I expert intermediate size,

@@ -1,4 +1,6 @@
-"""Draft architectures by name: a new architecture is a new file plus `@register_draft("name")`."""
+"""Draft architectures by name: a new architecture is a new file plus `@register_draft("name")`, imported by
+draft_model/__init__.py (which every import of this package runs first, so DRAFTS is complete whenever it is read).
+This module imports no architecture: the model files import it, never the other way round."""
 
 from __future__ import annotations
 
@@ -23,10 +25,6 @@ def register_draft(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
 
 def build_draft(cfg: DraftConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> nn.Module:
     """Instantiate `cfg.arch` on the target's frozen embedding [V, D] and LM head [V, D]."""
-    import draft_model.draft_lm  # noqa: F401  (registers the built-in architectures)
-    import draft_model.eagle3  # noqa: F401
-    import draft_model.model  # noqa: F401
-
     if cfg.arch not in DRAFTS:
         raise ValueError(f"unknown draft.arch {cfg.arch!r}; known architectures: {sorted(DRAFTS)}")
     return DRAFTS[cfg.arch](cfg, embed_weight, lm_head_weight)

@@ -10,7 +10,7 @@ into a model's heads and a new architecture needs no evaluator change.
 Calibration: `load_drafter(export_dir, target)` is how every consumer loads an exported draft; when the export
 holds calibration.json (launch/calibrate_draft.py) the adapter reports STS-calibrated confidences
 σ(logit_k / T_k) in Proposal.conf_K and keeps the raw logits in Proposal.conf_logit_K, so recording and refitting
-still see them. It is applied here, not in workers/checkpoint.load_exported_draft, because the model stays the
+still see them. It is applied here, not in pipeline/export.load_exported_draft, because the model stays the
 architecture only (its confidence head emits logits) and the adapter is where raw and calibrated meet.
 
 Legend (shape suffixes):  L verified prefix positions   K block size γ   V vocabulary   F context feature width
@@ -149,11 +149,11 @@ def make_drafter(model: nn.Module, name: str | None = None, sts_temperatures=Non
 
 def load_drafter(export_dir: str | Path, target: nn.Module, name: str | None = None,
                  calibrated: bool = True) -> DSparkDrafter:
-    """An exported draft (workers/checkpoint.export_draft) on `target`'s embedding/LM head and device, as a
+    """An exported draft (pipeline/export.py) on `target`'s embedding/LM head and device, as a
     Drafter; calibrated by export_dir/calibration.json when present and `calibrated`."""
-    from pipeline.target_model import embedding_weights
+    from pipeline.export import load_exported_draft
     from serving.calibration import load_calibration
-    from workers.checkpoint import load_exported_draft
+    from workers.target.model import embedding_weights
 
     export_dir = Path(export_dir)
     if not export_dir.is_dir():

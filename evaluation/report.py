@@ -1,11 +1,13 @@
-"""Evaluation report: the report files of an offline evaluation (metrics: evaluation/metrics.py).
+"""Evaluation report: the report files of an offline evaluation (metrics: serving/metrics.py).
 
 `write_report(results, out_dir)` takes one result of `evaluation.evaluate.evaluate` or a list of them (one per
 drafter / temperature) and writes
 - report.json       every metric of every run (generations left out),
 - report.md         one table row per (dataset, run),
 - acceptance.png    per-position conditional acceptance, one panel per dataset, one line per run,
-- generations.jsonl the generated tokens/text of every prompt (one line per prompt).
+- generations.jsonl the generated tokens/text of every prompt (one line per prompt);
+and `tau_table` / `speedup_table` give the console tables of τ and of end-to-end speed-ups (printed by
+launch/evaluate_draft.py).
 
 matplotlib is imported only when the plot is drawn.
 """
@@ -16,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["json_safe", "run_label", "write_report"]
+__all__ = ["json_safe", "run_label", "speedup_table", "tau_table", "write_report"]
 
 
 # ---- report files -------------------------------------------------------------------------------------------
@@ -111,3 +113,58 @@ def write_report(results: dict | list[dict], out_dir: str | Path) -> dict[str, P
                 for i, g in enumerate(gens):
                     f.write(json.dumps({"run": run_label(r), "dataset": ds, "index": i, **g}) + "\n")
     return paths
+
+
+# ---- console tables ----------------------------------------------------------------------------------------
+
+
+def tau_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], float]]:
+    """A text table of τ per dataset and the macro average, and the macro averages by (drafter, temperature)."""
+    taus = {(r["drafter"], r["temperature"]): {ds: m["tau"] for ds, m in r["datasets"].items()} for r in results}
+    datasets = sorted(next(iter(taus.values())))
+    lines = [f"{'drafter':14}{'T':>5}" + "".join(f"{ds:>11}" for ds in datasets) + f"{'macro':>9}"]
+    macro = {}
+    for (name, temperature), row in sorted(taus.items()):
+        macro[(name, temperature)] = sum(row.values()) / len(row)
+        lines.append(f"{name:14}{temperature:>5.1f}" + "".join(f"{row[ds]:>11.3f}" for ds in datasets)
+                     + f"{macro[(name, temperature)]:>9.3f}")
+    return "\n".join(lines), macro
+
+
+def speedup_table(results: list[dict]) -> tuple[str, dict[tuple[str, float], float]]:
+    """End-to-end decoding speed-up of each draft: its tokens/s over the autoregressive baseline's on the same
+    dataset and temperature (wall time of whole decodes: target forwards, the draft's own time and the session's
+    bookkeeping), the macro average over datasets, and each draft's median drafting time per round.
+
+    Only results decoded in turn with the baseline (the same `decode_batch`) and on as many prompts are paired;
+    any other row says why it has no speed-up. The baseline runs the same verify path as a draft (one target
+    forward and one draw from the full vocabulary per token, plus the session's bookkeeping), which a bare
+    `generate` loop would not: the ratios include that per-token overhead on the baseline's side.
+    -> (text table, {(drafter, temperature): macro speed-up}); empty without an autoregressive result."""
+    from evaluation.drafters import AUTOREGRESSIVE
+
+    base = {(r["temperature"], r.get("decode_batch")): r["datasets"] for r in results
+            if r["drafter"] == AUTOREGRESSIVE}
+    rows = [r for r in results if r["drafter"] != AUTOREGRESSIVE and any(t == r["temperature"] for t, _ in base)]
+    if not rows:
+        return "", {}
+    datasets = sorted(rows[0]["datasets"])
+    lines = [f"{'drafter':14}{'T':>5}" + "".join(f"{ds:>11}" for ds in datasets) + f"{'macro':>9}"
+             + f"{'draft ms/round':>16}"]
+    macro = {}
+    for r in sorted(rows, key=lambda r: (r["drafter"], r["temperature"])):
+        ar = base.get((r["temperature"], r.get("decode_batch")))
+        why = ("not decoded in turn with the baseline (cached from another run)" if ar is None else
+               "ran on other prompts than the baseline" if any(
+                   r["datasets"][ds]["num_prompts"] != ar[ds]["num_prompts"] or not r["datasets"][ds]["num_prompts"]
+                   for ds in datasets) else "")
+        if why:
+            lines.append(f"{r['drafter']:14}{r['temperature']:>5.1f}  n/a: {why}")
+            continue
+        row = {ds: r["datasets"][ds]["tokens_per_s"] / ar[ds]["tokens_per_s"] for ds in datasets}
+        key = (r["drafter"], r["temperature"])
+        macro[key] = sum(row.values()) / len(row)
+        draft_ms = [1e3 * r["datasets"][ds].get("draft_s_median", math.nan) for ds in datasets]
+        lines.append(f"{r['drafter']:14}{r['temperature']:>5.1f}" + "".join(f"{row[ds]:>10.2f}x" for ds in datasets)
+                     + f"{macro[key]:>8.2f}x" + f"{sum(draft_ms) / len(draft_ms):>16.1f}")
+    return "\n".join(lines), macro

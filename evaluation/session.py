@@ -22,7 +22,7 @@ from torch import nn
 
 from draft_model import sampling
 from evaluation.drafters import DecodeContext, Drafter
-from pipeline.target_model import FINAL_HIDDEN, target_dims, validate_layers
+from workers.target.model import FINAL_HIDDEN, target_dims, validate_layers
 
 __all__ = ["RoundLog", "TargetSession", "generate"]
 

@@ -4,15 +4,11 @@
         [--prompts gsm8k mtbench] [--num-prompts 40] [--max-new-tokens 64] [--temperature 1.0] \
         [--fit-fraction 0.5] --out runs/tiny/calib
 
-1. real speculative decoding (evaluation/) of the prompts at --temperature, recording every round's raw confidence
-   logits and accepted count n -> <out>/rounds.parquet (evaluation/rounds.py);
-2. the prompts of each set are split by a seeded shuffle: --fit-fraction of them to fit on, the rest held out
-   (split by prompt, not by round, because rounds of one prompt are correlated);
-3. serving.calibration.fit_sts on the fit rounds -> T_1..T_γ, written to <draft>/calibration.json, which
-   evaluation.drafters.load_drafter applies from then on (every consumer of the export);
-4. per-position ECE and ROC-AUC of the cumulative survival Π c_i before (T = 1) and after STS, measured on the
-   HELD-OUT rounds only: printed as a table, written to <out>/calibration_report.json, and the reliability
-   diagram to <out>/reliability.png.
+Decodes the prompts at --temperature recording every round (<out>/rounds.parquet), splits each set's prompts
+into --fit-fraction to fit on and the rest held out, fits STS on the fit rounds into <draft>/calibration.json
+(applied by every later load of the export), and reports per-position ECE and ROC-AUC of the survival before and
+after on the held-out rounds only: printed, in <out>/calibration_report.json and <out>/reliability.png. The steps
+are evaluation/calibrate.py's.
 Prompts are built-in sets (humaneval, gsm8k, mtbench) or files (.jsonl/.parquet of chats or texts; see
 evaluation/prompts.py). Exit status 2 with one line for bad input (missing export, unreadable or empty prompt
 file, bad temperature, a draft without a confidence head).
@@ -21,109 +17,13 @@ file, bad temperature, a draft without a confidence head).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import math
 import sys
 from pathlib import Path
 
-import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-
-def split_prompts(num: int, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices 0..num-1 -> (fit, held-out), a seeded shuffle; each side gets at least one prompt."""
-    if num < 2:
-        raise ValueError(f"need at least 2 prompts per set to fit on some and report on others, got {num}")
-    order = np.random.default_rng(seed).permutation(num)
-    n_fit = min(num - 1, max(1, round(fit_fraction * num)))
-    return np.sort(order[:n_fit]), np.sort(order[n_fit:])
-
-
-def pool_rounds(arrays: dict[str, dict], pick: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    logits, ns = [], []
-    for ds, a in arrays.items():
-        keep = np.isin(a["prompt_N"], pick[ds])
-        logits.append(a["conf_logit_NK"][keep])
-        ns.append(a["num_accepted_N"][keep])
-    return np.concatenate(logits), np.concatenate(ns)
-
-
-def report_table(rep: dict) -> str:
-    """The before/after table of serving.calibration.calibration_report, one row per draft position."""
-    def f(x: float) -> str:
-        return "     –" if x is None or math.isnan(x) else f"{x:6.3f}"
-
-    lines = [f"{'k':>2} {'T_k':>6} {'ECE before':>10} {'ECE after':>10} {'AUC before':>10} {'AUC after':>10} "
-             f"{'survival':>9}"]
-    for k in range(len(rep["temperatures"])):
-        lines.append(f"{k + 1:>2} {rep['temperatures'][k]:6.3f} {f(rep['ece_before'][k]):>10} "
-                     f"{f(rep['ece_after'][k]):>10} {f(rep['roc_auc_before'][k]):>10} "
-                     f"{f(rep['roc_auc_after'][k]):>10} {rep['observed_survival'][k]:9.3f}")
-    return "\n".join(lines)
-
-
-def calibrate(export: Path, target_name: str, prompt_names: list[str], num_prompts: int | None,
-              max_new_tokens: int, temperature: float, out_dir: Path, fit_fraction: float = 0.5, seed: int = 0,
-              device: str = "auto", log=None) -> dict:
-    """Steps 1-4 of the module docstring; returns the report (also written to out_dir/calibration_report.json)."""
-    import torch
-
-    from evaluation.drafters import CALIBRATION_FILE, load_drafter
-    from evaluation.evaluate import evaluate
-    from evaluation.prompts import resolve_prompt_sets
-    from evaluation.report import json_safe
-    from evaluation.rounds import load_round_arrays, write_rounds
-    from launch.evaluate_draft import check_exports
-    from pipeline.target_model import load_target, resolve_target_path
-    from serving.calibration import calibration_report, fit_sts, plot_reliability, save_calibration
-
-    check_exports({"draft": export})
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if not 0 < fit_fraction < 1:
-        raise ValueError(f"--fit-fraction must be in (0, 1), got {fit_fraction}")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    prompts = resolve_prompt_sets(prompt_names, num_prompts)
-    splits = {ds: split_prompts(len(items), fit_fraction, seed) for ds, items in prompts.items()}
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # as launch/evaluate_draft.py
-    target, tok = load_target(resolve_target_path(target_name), dtype=dtype)
-    target.to(device)
-    # raw confidences: what is fitted is the logits, and "before" must not depend on an earlier calibration
-    drafter = load_drafter(export, target, name=export.parent.name, calibrated=False)
-    if getattr(drafter.model, "conf_proj", None) is None:
-        raise ValueError(f"{export}: the draft has no confidence head (draft.confidence=false); nothing to calibrate")
-    if log is not None:
-        log.info("calibrate: decoding %s prompts at T=%g", {ds: len(v) for ds, v in prompts.items()}, temperature)
-    result = evaluate(target, tok, drafter, prompts, temperature, max_new_tokens, seed=seed)
-    rounds_path = write_rounds(result, out_dir / "rounds.parquet")
-    arrays, _ = load_round_arrays(rounds_path)
-    fit_logit, fit_n = pool_rounds(arrays, {ds: s[0] for ds, s in splits.items()})
-    held_logit, held_n = pool_rounds(arrays, {ds: s[1] for ds, s in splits.items()})
-    temps = fit_sts(fit_logit, fit_n)
-    rep = calibration_report(held_logit, held_n, temps)
-    rep.update(split="held-out", fit_rounds=int(fit_logit.shape[0]), fit_report=calibration_report(
-        fit_logit, fit_n, temps), prompts={ds: {"fit": s[0].tolist(), "held_out": s[1].tolist()}
-                                           for ds, s in splits.items()},
-        tau={ds: m["tau"] for ds, m in result["datasets"].items()})
-    meta = {"target": target_name, "decoding_temperature": temperature, "max_new_tokens": max_new_tokens,
-            "prompt_sets": prompt_names, "fit_rounds": rep["fit_rounds"], "held_out_rounds": rep["num_rounds"],
-            "fit_fraction": fit_fraction, "seed": seed, "date": dt.date.today().isoformat(),
-            "method": "serving.calibration.fit_sts (grid, ECE of the cumulative survival, 10 bins)",
-            "held_out_ece_before": rep["ece_before"], "held_out_ece_after": rep["ece_after"]}
-    save_calibration(export / CALIBRATION_FILE, temps, json_safe(meta))
-    plot_reliability(held_logit, held_n, temps, out_dir / "reliability.png")
-    (out_dir / "calibration_report.json").write_text(json.dumps(json_safe(rep), indent=2) + "\n")
-    return rep
-
 
 def main(argv: list[str] | None = None) -> int:
+    from evaluation.calibrate import calibrate, report_table
     from evaluation.report import json_safe
     from pipeline.metrics import get_logger
 

@@ -19,10 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python launch/prepare_data.py` puts launch/ first, not the repo
-    sys.path.insert(0, str(REPO))
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -53,20 +49,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_generator(args: argparse.Namespace, target: Path):
     import torch
 
-    from pipeline.regenerate import LocalGenerator, RayGenerator
+    from workers.target.generation import LocalGenerator, RayGenerator
 
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if not args.ray:
-        from pipeline.target_model import load_target
-        from workers.target_worker import as_dtype
+        from workers.target.model import load_target
+        from workers.target.worker import as_dtype
 
         model, tokenizer = load_target(target, dtype=as_dtype(dtype))
         model.to("cuda" if torch.cuda.is_available() else "cpu")
         return LocalGenerator(model, tokenizer), None
     import ray
 
-    from launch.train_v4_draft import worker_runtime_env
-    from workers.target_worker import start_target_actor
+    from workers.driver import worker_runtime_env
+    from workers.target.worker import start_target_actor
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=worker_runtime_env(),
              **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
@@ -79,13 +75,13 @@ def make_generator(args: argparse.Namespace, target: Path):
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    from pipeline.prepare import run_data_stage
-    from pipeline.regenerate import GenParams
+    from pipeline.data.prepare import run_data_stage
+    from pipeline.data.regenerate import GenParams
 
     try:
         if args.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1, got {args.num_workers}")
-        from pipeline.target_model import load_tokenizer, resolve_target_path
+        from workers.target.model import load_tokenizer, resolve_target_path
 
         target = resolve_target_path(args.target)
         tokenizer = load_tokenizer(target)

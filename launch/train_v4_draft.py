@@ -1,5 +1,9 @@
 """Train a DSpark draft model: frozen-target Ray workers stream hidden states to DeepSpeed draft trainers.
 
+Despite its name this script trains every draft architecture, all seven presets of draft_model/presets.py
+(draft.preset: dflash, dspark-markov, dspark-rnn, v4, eagle3, mtp1, draft-lm); the name stays because users, the
+k8s manifests and the docs call it by it.
+
 Local (starts a Ray cluster on this machine; the embedded default is the `tiny` preset on CPU):
     python launch/train_v4_draft.py
 On a Ray cluster:
@@ -8,6 +12,8 @@ On a Ray cluster:
 Re-running the same command on the same --run-dir resumes from its `latest` checkpoint.
 One process, no Ray or DeepSpeed (one GPU or CPU; the same checkpoints, resumed the same way):
     python launch/train_v4_draft.py --single-process --run-dir runs/one-gpu target.dtype=bfloat16
+
+What a command would train, without starting anything: add --print-config (the resolved config as YAML).
 
 Stopping: SIGTERM or Ctrl-C (`ray job stop`, a Kubernetes eviction) checkpoints at the next step boundary and
 exits with status 75; re-running the same command resumes there. A second signal stops at once.
@@ -19,14 +25,11 @@ Exit status: 0 on success, 2 for a bad config or bad input (one clear line on st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python launch/train_v4_draft.py` puts launch/ first, not the repo
-    sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[1]  # the presets are launch/configs/*.yaml of this checkout
 
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "tiny.yaml"
 
@@ -43,7 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="refuse to start if the run dir already has checkpoints")
     p.add_argument("--single-process", action="store_true",
                    help="target and trainer in this process on one device, without Ray or DeepSpeed "
-                        "(workers/single_process.py); same checkpoints, metrics and export")
+                        "(workers/trainer/single_process.py); same checkpoints, metrics and export")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (YAML, as saved with every checkpoint) and exit; starts nothing")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.num_samples=64")
     return p.parse_args(argv)
 
@@ -60,31 +65,6 @@ def build_config(args: argparse.Namespace):
     return load_config(path, overrides)
 
 
-def worker_runtime_env() -> dict | None:
-    """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
-    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared)."""
-    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-        return None
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}}
-
-
-def connect_ray(cfg) -> None:
-    import ray
-
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = worker_runtime_env()
-    if address:
-        ray.init(address=address, runtime_env=runtime_env)
-        return
-    t, c = cfg.target, cfg.cluster
-    needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
-    num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
-    # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
-    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
-             runtime_env=runtime_env)
-
-
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
     from pipeline.metrics import get_logger
@@ -96,8 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        from pipeline.config import config_yaml
 
-    from workers.checkpoint import CheckpointManager
+        print(config_yaml(cfg), end="")
+        return 0
+
+    from workers.trainer.checkpoint import CheckpointManager
 
     run_dir = Path(cfg.checkpoint.run_dir).resolve()
     cfg.checkpoint.run_dir = str(run_dir)
@@ -113,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --fresh given but {run_dir} already has checkpoint {latest.name}", file=sys.stderr)
         return 2
 
-    from workers.orchestrate import InputError, run_training
+    from pipeline.errors import InputError
+    from workers.driver import connect_ray, run_training
     from workers.preemption import PREEMPTED_EXIT, StoppedEarly
 
     t0 = time.time()
     failure: tuple[int, str] | None = None
     try:
         if args.single_process:
-            from workers.single_process import train_single_process
+            from workers.trainer.single_process import train_single_process
 
             train_single_process(cfg, log, resume_from=latest)
         else:
@@ -130,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         failure = (2, str(e))
     except Exception as e:  # a failed run: one clear line, the details are in the worker logs above
-        from workers.orchestrate import root_cause
+        from workers.driver import root_cause
 
         failure = (1, f"training failed: {root_cause(e)}")
     finally:

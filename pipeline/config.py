@@ -37,7 +37,7 @@ class TargetConfig:
     wire_dtype: str = "bfloat16"  # dtype of hidden states in the object store
     num_workers: int = 1  # target workers (groups when tp_size > 1) running side by side: data parallel
     # > 1: each target worker is a group of tp_size processes on one node, the target sharded over them by
-    # transformers' tensor parallelism (workers/target_group.py); cpus/gpus/resources_per_worker are then per process
+    # transformers' tensor parallelism (workers/target/group.py); cpus/gpus/resources_per_worker are then per process
     tp_size: int = 1
     # with tp_size > 1: give each process whole experts (transformers' expert-parallel plan) instead of a slice of
     # every expert; attention and dense layers stay tensor-parallel. Needs a model whose config has an EP plan
@@ -79,7 +79,7 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 100
     lr: float = 3e-4
-    # the sequential head's table (W1, W2) trains at lr x this (workers/train_step.py). W2 starts at zero, and at
+    # the sequential head's table (W1, W2) trains at lr x this (workers/trainer/step.py). W2 starts at zero, and at
     # the backbone's lr the head's bias stayed under 0.11 logits for 100 steps; at 10x held-out tau rose 8 % over
     # DFlash at one pass over the data (docs/design-notes.md, "Training the sequential head")
     head_lr_scale: float = 10.0
@@ -91,7 +91,7 @@ class TrainConfig:
     grad_accum: int = 1
     zero_stage: int = 2
     precision: str = "fp32"  # "fp32" | "bf16" (DeepSpeed's bf16 mode; --single-process: bf16 autocast on a GPU)
-    compile: bool = False  # torch.compile each draft decoder layer (workers/train_step.compile_draft)
+    compile: bool = False  # torch.compile each draft decoder layer (workers/trainer/step.compile_draft)
     seed: int = 0
     log_every: int = 1
     tensorboard: bool = True
@@ -298,5 +298,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(apply_overrides(raw, overrides or []))
 
 
+def config_yaml(cfg: RunConfig) -> str:
+    """The config as YAML, the form `load_config` reads back (saved with every run, printed by --print-config)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(config_yaml(cfg))

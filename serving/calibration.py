@@ -17,7 +17,7 @@ position (ROC-AUC of c_k unchanged); the cumulative product's order across round
 the positions get different temperatures, which is why the report gives the AUC of the survival before/after.
 
 The calibrated temperatures live in `calibration.json` beside an exported draft (save_calibration /
-load_calibration). Metrics reuse evaluation.metrics (expected_calibration_error, roc_auc).
+load_calibration). Metrics reuse serving.metrics (expected_calibration_error, roc_auc).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.metrics import expected_calibration_error, roc_auc
 from serving._io import atomic_write_json, read_json
+from serving.metrics import expected_calibration_error, roc_auc
 
 __all__ = ["DEFAULT_GRID", "apply_sts", "calibration_report", "fit_sts", "load_calibration", "plot_reliability",
            "save_calibration", "survival", "sigmoid"]

@@ -1,6 +1,7 @@
 """launch/calibrate_draft.py and `--prompts FILE` of launch/evaluate_draft.py on a tiny random target and a freshly
-built (untrained) export: calibration.json is written into the export and every later load applies it; bad input
-is one line and exit 2.
+built (untrained) export, run as a user runs them: calibration.json is written into the export and every later
+load applies it; bad input is one line: a one-line error from evaluation/calibrate.py and evaluation/run.py, which
+the CLIs print as `error: ...` with exit status 2.
 
 Run: python -m pytest tests/test_calibrate_cli.py -q
 """
@@ -9,19 +10,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from launch_helpers import run_script
 
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
+from evaluation.calibrate import calibrate
 from evaluation.drafters import DecodeContext, load_drafter
 from evaluation.rounds import load_round_arrays, load_rounds
-from launch import calibrate_draft, evaluate_draft
-from pipeline.target_model import embedding_weights, load_target, resolve_target_path
+from evaluation.run import evaluate_exports
+from pipeline.export import export_draft
 from serving.calibration import apply_sts, load_calibration, sigmoid
-from workers.checkpoint import export_draft
+from workers.target.model import embedding_weights, load_target, resolve_target_path
 
 GAMMA = 3
 CHATS = [[{"role": "user", "content": c}] for c in ("Say hi.", "Count to five.", "Name a color.", "What is 2+2?",
@@ -55,12 +59,19 @@ def prompt_file(tmp_path):
     return path
 
 
-def test_calibration_is_written_into_the_export_and_applied_on_load(export, prompt_file, tmp_path, target, capsys):
+def cli(script: str, args: list[str]) -> tuple[int, str, str]:
+    """Run a CLI -> (exit status, stdout, stderr)."""
+    res = run_script(script, args)
+    assert res.returncode in (0, 2), res.stderr[-3000:]
+    return res.returncode, res.stdout, res.stderr
+
+
+def test_calibration_is_written_into_the_export_and_applied_on_load(export, prompt_file, tmp_path, target):
     out = tmp_path / "calib"
     args = ["--draft", str(export), "--target", "tiny-qwen3-moe", "--prompts", str(prompt_file), "--max-new-tokens",
             "8", "--temperature", "1.0", "--out", str(out)]
-    assert calibrate_draft.main(args) == 0
-    printed = capsys.readouterr().out
+    code, printed, _ = cli("calibrate_draft.py", args)
+    assert code == 0
     assert "held-out" in printed and "ECE before" in printed
     temps, meta = load_calibration(export / "calibration.json")
     assert temps.shape == (GAMMA,) and np.all(temps > 0) and meta["decoding_temperature"] == 1.0
@@ -91,10 +102,11 @@ def test_calibration_is_written_into_the_export_and_applied_on_load(export, prom
 
     # evaluate_draft.py --prompts FILE on the calibrated export: the recorded confidences are the calibrated ones
     ev = tmp_path / "eval"
-    assert evaluate_draft.main(["--draft", f"mine={export}", "--target", "tiny-qwen3-moe", "--prompts",
-                                str(prompt_file), "--num-prompts", "2", "--max-new-tokens", "6", "--temperatures",
-                                "0.0", "--out", str(ev)]) == 0
-    assert "held_out" in capsys.readouterr().out
+    code, printed, _ = cli("evaluate_draft.py", ["--draft", f"mine={export}", "--target", "tiny-qwen3-moe", "--prompts",
+                                                 str(prompt_file), "--num-prompts", "2", "--max-new-tokens", "6",
+                                                 "--temperatures", "0.0", "--out", str(ev)])
+    assert code == 0
+    assert "held_out" in printed
     report = json.loads((ev / "report.json").read_text())
     assert list(report["runs"][0]["datasets"]) == ["held_out"] and report["runs"][0]["sts_temperatures"]
     recorded, _ = load_round_arrays(ev / "mine-T0.0.rounds.parquet")
@@ -102,32 +114,47 @@ def test_calibration_is_written_into_the_export_and_applied_on_load(export, prom
     np.testing.assert_allclose(calibrated, apply_sts(recorded["held_out"]["conf_logit_NK"], temps), rtol=1e-6)
 
 
-def _one_line_error(capsys, code: int, *needles: str) -> None:
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
+def _one_line_error(call, *needles: str) -> None:
+    """`call` raises what the CLIs report as one line with exit status 2 (ValueError or FileNotFoundError)."""
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        call()
+    err = str(e.value)
+    assert "\n" not in err, err
     assert all(n in err for n in needles), err
 
 
-def test_bad_input_is_one_line_and_exit_2(export, prompt_file, tmp_path, capsys):
-    base = ["--target", "tiny-qwen3-moe", "--out", str(tmp_path / "o")]
-    run = calibrate_draft.main
-    _one_line_error(capsys, run(["--draft", str(tmp_path / "nope"), "--prompts", str(prompt_file), *base]),
-                    "not an exported draft")
+def test_bad_input_is_one_line_and_exit_2(export, prompt_file, tmp_path):
+    out = tmp_path / "o"
+
+    def run(draft, prompts, temperature=1.0):  # launch/calibrate_draft.py's call, with its defaults
+        return lambda: calibrate(Path(draft), "tiny-qwen3-moe", [str(p) for p in prompts], 40, 64, temperature, out)
+
+    def evaluate(draft, prompts=(), temperatures=(1.0, 0.0)):  # launch/evaluate_draft.py's call, with its defaults
+        datasets = [str(p) for p in prompts] or ["humaneval", "gsm8k", "mtbench"]
+        return lambda: evaluate_exports({Path(draft).parent.name: Path(draft)}, "tiny-qwen3-moe", datasets, 10, 64,
+                                        list(temperatures), out)
+
+    _one_line_error(run(tmp_path / "nope", [prompt_file]), "not an exported draft")
     garbage = tmp_path / "p.parquet"
     garbage.write_bytes(b"\x00\x01 not parquet")
-    _one_line_error(capsys, run(["--draft", str(export), "--prompts", str(garbage), *base]), "cannot read")
+    _one_line_error(run(export, [garbage]), "cannot read")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    _one_line_error(capsys, run(["--draft", str(export), "--prompts", str(empty), *base]), "no prompts")
-    for t in ("-1", "nan"):
-        _one_line_error(capsys, run(["--draft", str(export), "--prompts", str(prompt_file), "--temperature", t,
-                                     *base]), "--temperature")
-    _one_line_error(capsys, run(["--draft", str(export), "--prompts", str(tmp_path / "missing.jsonl"), *base]),
-                    "does not exist")
-    _one_line_error(capsys, evaluate_draft.main(["--draft", str(export), "--prompts", str(empty), *base]),
-                    "no prompts")
-    _one_line_error(capsys, evaluate_draft.main(["--draft", str(tmp_path / "nope"), *base]), "not an exported")
-    _one_line_error(capsys, evaluate_draft.main(["--draft", str(export), "--temperatures", "-0.5", *base]),
-                    "temperatures")
+    _one_line_error(run(export, [empty]), "no prompts")
+    for t in (-1.0, float("nan")):
+        _one_line_error(run(export, [prompt_file], temperature=t), "--temperature")
+    _one_line_error(run(export, [tmp_path / "missing.jsonl"]), "does not exist")
+    _one_line_error(evaluate(export, [empty]), "no prompts")
+    _one_line_error(evaluate(tmp_path / "nope"), "not an exported")
+    _one_line_error(evaluate(export, temperatures=[-0.5]), "temperatures")
+    # each CLI prints such an error as one line and exits with status 2
+    base = ["--target", "tiny-qwen3-moe", "--out", str(out)]
+    for script, args, needle in (("calibrate_draft.py", ["--draft", str(tmp_path / "nope"), "--prompts",
+                                                         str(prompt_file)], "not an exported draft"),
+                                 ("evaluate_draft.py", ["--draft", str(export), "--temperatures", "-0.5"],
+                                  "temperatures")):
+        code, _, err = cli(script, [*args, *base])
+        assert code == 2
+        err = err.strip()
+        assert err.startswith("error: ") and "\n" not in err and needle in err, err
     assert not (export / "calibration.json").exists()  # nothing was written by the failed runs

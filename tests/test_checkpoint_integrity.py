@@ -1,4 +1,4 @@
-"""Checkpoint integrity (workers/checkpoint.py) and resume checks (workers/orchestrate.check_resume): every
+"""Checkpoint integrity (workers/trainer/checkpoint.py) and resume checks (pipeline/resume.check_resume): every
 checkpoint is sealed by a manifest written last; `latest()` falls back past a truncated, corrupted or unsealed
 checkpoint to the newest older one that verifies, with one warning naming the file, and refuses when none does;
 a resume refuses any change of a setting that alters the data or the model. The last test runs the real
@@ -13,15 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 
 from draft_model.config import LossConfig
 from pipeline.config import RunConfig
-from workers.checkpoint import MANIFEST, CheckpointError, CheckpointManager, checkpoint_problem
-from workers.orchestrate import InputError, check_resume
+from pipeline.errors import InputError
+from pipeline.resume import check_resume
+from workers.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, checkpoint_problem
 
 
 class FakeEngine:
@@ -264,21 +263,15 @@ def test_check_resume_allows_run_length_placement_and_filled_in_sizes():
 def test_single_process_resume_skips_a_truncated_newest_checkpoint(tmp_path):
     """Train 4 steps (checkpoints at 2 and 4), truncate step 4's weights, run 4 steps again: the run says which
     file is bad, resumes from step 2, and logs steps 3-4 with the losses of the first run (same data, state, RNG)."""
-    from launch_helpers import REPO, TINY_MOE, quiet_env
+    from launch_helpers import TINY_MOE, run_launch
 
     from pipeline.metrics import read_jsonl_metrics
 
     run_dir = tmp_path / "run"
     args = ["--single-process", "--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=4",
             "checkpoint.every_steps=2", "checkpoint.export=false", "train.lr=3e-3", "data.num_samples=32"]
-    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from launch.train_v4_draft import main; "
-              f"sys.exit(main({args!r}))")
 
-    def run() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                              env=quiet_env(), cwd=REPO)
-
-    first = run()
+    first = run_launch(args)
     assert first.returncode == 0, first.stderr[-4000:]
     losses = {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
     ckpt = run_dir / "checkpoints"
@@ -288,7 +281,7 @@ def test_single_process_resume_skips_a_truncated_newest_checkpoint(tmp_path):
         f.truncate(size // 2)
     (run_dir / "metrics.jsonl").unlink()
 
-    again = run()
+    again = run_launch(args)
     assert again.returncode == 0, again.stderr[-4000:]
     assert (f"checkpoint step_00000004 is unusable: ds/model.safetensors is {size // 2} bytes, the manifest says "
             f"{size}; falling back to an older one") in again.stderr

@@ -11,9 +11,9 @@ import logging
 import numpy as np
 import pytest
 
-from pipeline.chat import render_chat
-from pipeline.corpus import default_corpus, load_jsonl_corpus, stdlib_files
-from pipeline.target_model import smollm2_tokenizer
+from pipeline.data.chat import render_chat
+from pipeline.data.corpus import default_corpus, load_jsonl_corpus, stdlib_files
+from workers.target.model import smollm2_tokenizer
 
 CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3 = 5."},
                 {"role": "user", "content": "And times 4?"}, {"role": "assistant", "content": "20"}]
@@ -99,7 +99,7 @@ def test_load_jsonl_corpus(tok, tmp_path, caplog):
             {"text": "x"},  # one token: dropped and counted
             {"text": "a longer document " * 20}]
     path = _write_jsonl(tmp_path / "data.jsonl", rows)
-    with caplog.at_level(logging.WARNING, logger="pipeline.corpus"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.corpus"):
         samples = load_jsonl_corpus(path, tok, max_len=40)
     assert [s.sample_id for s in samples] == [0, 1, 2]
     text_ids = tok(rows[0]["text"], add_special_tokens=False)["input_ids"]

@@ -18,10 +18,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import target_model as tm
-from pipeline.data_stage import build_shard, load_parquet_corpus, normalize_record, render_prompt
-from pipeline.prepare import run_data_stage
-from pipeline.regenerate import Generation, GenParams, LocalGenerator, generate_batch
+from pipeline.data.prepare import run_data_stage
+from pipeline.data.regenerate import Generation, GenParams
+from pipeline.data.rows import build_shard, load_parquet_corpus, normalize_record, render_prompt
+from workers.target import model as tm
+from workers.target.generation import LocalGenerator, generate_batch
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3 = 5."},
@@ -184,7 +185,7 @@ def test_generation_is_seeded_and_batch_one_is_independent_of_the_batch(tok, tin
 
 
 def test_target_worker_generate_matches_in_process(tok, tiny, tiny_dir):
-    from workers.target_worker import TargetWorker
+    from workers.target.worker import TargetWorker
 
     model, _ = tiny
     prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in ("x", "y z")]
@@ -263,7 +264,7 @@ def test_parquet_is_zstd_and_loads_as_training_samples(tok, tmp_path):
 
 def test_training_config_reads_a_parquet_source(tok, tmp_path):
     from pipeline.config import RunConfig
-    from workers.orchestrate import load_samples
+    from workers.inputs import load_samples
 
     src = _write_jsonl(tmp_path / "in.jsonl", BAD_RECORDS)
     run_data_stage([str(src)], tok, tmp_path / "out", max_len=64)
@@ -304,21 +305,14 @@ def test_cli_resumes_after_sigkill(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_path):
-    import ray
-
-    from pipeline.regenerate import RayGenerator
-    from workers.target_worker import start_target_actor
+def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_path, local_ray):
+    from workers.target.generation import RayGenerator
+    from workers.target.worker import start_target_actor
 
     model, _ = tiny
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Question {i}?"} for i in range(5)])
     kw = dict(max_len=256, params=PARAMS, batch_size=2, shard_size=5)
     ref = run_data_stage([str(src)], tok, tmp_path / "ref", generator=LocalGenerator(model, tok), **kw)
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    try:
-        actors = [start_target_actor(tiny_dir, [-1]) for _ in range(2)]
-        got = run_data_stage([str(src)], tok, tmp_path / "ray", generator=RayGenerator(actors), **kw)
-    finally:
-        ray.shutdown()
+    actors = [start_target_actor(tiny_dir, [-1]) for _ in range(2)]
+    got = run_data_stage([str(src)], tok, tmp_path / "ray", generator=RayGenerator(actors), **kw)
     assert got == ref and _rows(tmp_path / "ray") == _rows(tmp_path / "ref")

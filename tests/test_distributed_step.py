@@ -1,5 +1,5 @@
 """Two real DeepSpeed ranks over gloo: the MoE aux loss is optimised exactly as it is logged, and every ZeRO stage
-the config accepts (0-3) trains the tiny V4-style draft through the shared loop (workers/train_loop.fit) to the
+the config accepts (0-3) trains the tiny V4-style draft through the shared loop (workers/trainer/loop.fit) to the
 same losses.
 
 Run: python -m pytest tests/test_distributed_step.py -q     (about 45 s on 2 cores)
@@ -40,7 +40,7 @@ def _run_cfg(aux_coef: float = 0.0) -> RunConfig:
 
 def _micro(b: int, block_size: int):
     """Global feature batch `b` packed: two sequences, anchors that vary with b (some blocks cut short)."""
-    from workers.train_step import MicroBatch
+    from workers.trainer.step import MicroBatch
 
     lens = [10 + b % 5, 8 + (3 * b) % 7]
     blocks = [(0, 0), (0, 1 + b % 6), (1, (2 * b) % 6), (1, lens[1] - 2)]
@@ -77,24 +77,24 @@ class _ListSink(NullSink):
 
 
 def _train_stages(rank: int, world: int, stages: list[int], run_root: str) -> dict[int, list[float]]:
-    """Each stage: the same seeded draft, DeepSpeed engine (workers/trainer.deepspeed_engine), loop and data;
-    ends with the loop's final checkpoint. Returns rank 0's logged losses per stage."""
-    import workers.trainer as trainer
+    """Each stage: the same seeded draft, DeepSpeed engine (workers/trainer/engines.deepspeed_engine), loop and
+    data; ends with the loop's final checkpoint. Returns rank 0's logged losses per stage."""
+    import workers.trainer.engines as engines
     from pipeline.metrics import get_logger
-    from workers.checkpoint import CheckpointManager
-    from workers.train_loop import fit
-    from workers.train_step import DraftWithLoss, setup_moe_balance
-    from workers.trainer import deepspeed_engine
+    from workers.trainer.checkpoint import CheckpointManager
+    from workers.trainer.engines import deepspeed_engine
+    from workers.trainer.loop import fit
+    from workers.trainer.step import DraftWithLoss, setup_moe_balance
 
     # ZeRO-3 keeps parameters under stage3_param_persistence_threshold (1e5 elements) whole on every rank, and
     # every parameter of this tiny draft is under it: without 0 here, stage 3 would partition nothing
-    config = trainer.deepspeed_config
+    config = engines.deepspeed_config
 
     def partition_all(*args, **kwargs) -> dict:
         c = config(*args, **kwargs)
         return {**c, "zero_optimization": {**c["zero_optimization"], "stage3_param_persistence_threshold": 0}}
 
-    trainer.deepspeed_config = partition_all  # this rank's own process: nothing else sees it
+    engines.deepspeed_config = partition_all  # this rank's own process: nothing else sees it
     embed, head = frozen_weights()
     out = {}
     for stage in stages:
@@ -136,7 +136,7 @@ def _aux_step(rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
     micro-batches of step 0; returns the logged loss and the parameter update."""
     import deepspeed
 
-    from workers.train_step import DraftWithLoss, all_reduce_sum, optimizer_step, setup_moe_balance, step_metrics
+    from workers.trainer.step import DraftWithLoss, all_reduce_sum, optimizer_step, setup_moe_balance, step_metrics
 
     cfg = _run_cfg(aux_coef=0.5)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Elastic resume on real DeepSpeed ranks (gloo, CPU, fp32): a run checkpointed on 2 ranks x grad_accum 1 resumes on
 1 rank x grad_accum 2, that one resumes on 2 ranks again, and the losses of every step equal an uninterrupted 2-rank
-run; workers/reshard.py converts through DeepSpeed's universal checkpoint (ZeRO-1/2/3) or loads as is (ZeRO-0).
+run; workers/trainer/reshard.py converts through DeepSpeed's universal checkpoint (ZeRO-1/2/3) or loads as is (ZeRO-0).
 
 Run: python -m pytest tests/test_elastic_resume.py -q     (2-4 minutes on 2 cores; the slow ones: -m slow, ~15 min)
 """
@@ -19,7 +19,7 @@ from draft_fixtures import frozen_weights
 from test_distributed_step import _ListSink, _micro, _run_cfg
 
 from pipeline.order import batch_index_for
-from workers.reshard import ELASTIC_STAGES, adapt_to_checkpoint, check_stage, elastic_grad_accum
+from workers.trainer.reshard import ELASTIC_STAGES, adapt_to_checkpoint, check_stage, elastic_grad_accum
 
 STEPS, EVERY = 6, 2
 
@@ -62,15 +62,15 @@ class _GlobalBatches:
 
 def _phase(rank: int, world: int, runs: list[tuple[int, int, str, str | None, float, str]]) -> list[dict]:
     """Each run (stage, grad_accum, run_dir, resume_from, bias rate, precision) through the trainer's own resume path
-    (workers/trainer.resumed_engine: universal_source -> deepspeed_engine -> resume | load_universal). Rank 0
-    returns the logged losses by step, the LR of the first resumed step and the MoE balance bias right after the
+    (workers/trainer/engines.resumed_engine: universal_source -> deepspeed_engine -> resume | load_universal).
+    Rank 0 returns the logged losses by step, the LR of the first resumed step and the MoE balance bias right after the
     load."""
     from draft_model.moe import MoE
     from draft_model.registry import build_draft
-    from workers.checkpoint import CheckpointManager
-    from workers.train_loop import fit
-    from workers.train_step import DraftWithLoss, setup_moe_balance
-    from workers.trainer import resumed_engine
+    from workers.trainer.checkpoint import CheckpointManager
+    from workers.trainer.engines import resumed_engine
+    from workers.trainer.loop import fit
+    from workers.trainer.step import DraftWithLoss, setup_moe_balance
 
     log = logging.getLogger("test")
     embed, head = frozen_weights()
@@ -129,7 +129,8 @@ def test_two_to_one_to_two_ranks_continue_the_same_run(tmp_path):
     run's to 1e-6 relative. fp32; what may differ is only where the sums happen (2 ranks all-reduce two micro-batch
     gradients, 1 rank accumulates them): measured 0 (the two orders round alike here; the scale factors are powers of
     two). For scale: zeroing Adam's moments in the universal copy moved step 4 by 4e-3, and the two ZeRO-3 load slips
-    that workers/reshard repairs by 1e-5..1e-3, so 1e-6 catches any lost state and leaves room for real reordering."""
+    that workers/trainer/reshard repairs by 1e-5..1e-3, so 1e-6 catches any lost state and leaves room for real
+    reordering."""
     results = _elastic(tmp_path, list(ELASTIC_STAGES), bias_rate=1e-3)
     for stage, (a, b, c) in results.items():
         worst = _assert_same_run(stage, a, b, c, rel=1e-6)
@@ -164,7 +165,7 @@ def test_bf16_two_to_one_to_two_ranks(tmp_path):
 
 def test_moe_balance_bias_survives_the_universal_load(tmp_path):
     """With the MoE balance bias on (the default), DeepSpeed's universal load does not restore it (it loads no
-    module state dict); workers/reshard restores it, so the first resumed step starts from the saved bias."""
+    module state dict); workers/trainer/reshard restores it, so the first resumed step starts from the saved bias."""
     (a, b, c), = _elastic(tmp_path, [2], bias_rate=1e-3).values()
     saved = torch.load(sorted((tmp_path / "z2-a" / "checkpoints" / "step_00000002" / "ds")
                               .glob("*model_states.pt"))[0], weights_only=False)["module"]
@@ -198,7 +199,7 @@ def test_driver_keeps_the_global_batch(monkeypatch):
     adapt_to_checkpoint(cfg, _meta(4, 1), logging.getLogger("test"))
     assert cfg.train.grad_accum == 4
     check_stage(cfg, _meta(2, 1, stage=3))  # every stage reshards (ELASTIC_STAGES); a stage taken out of it:
-    monkeypatch.setattr("workers.reshard.ELASTIC_STAGES", (0, 1, 2))
+    monkeypatch.setattr("workers.trainer.reshard.ELASTIC_STAGES", (0, 1, 2))
     cfg.train.zero_stage = 3
     with pytest.raises(ValueError, match=r"with ZeRO stage \[2, 3\]: elastic resume supports stages \[0, 1, 2\]"):
         check_stage(cfg, _meta(2, 1))

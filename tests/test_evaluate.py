@@ -22,10 +22,10 @@ from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from evaluation.drafters import DecodeContext, DSparkDrafter, Proposal, TargetOnly, make_drafter
 from evaluation.evaluate import evaluate, evaluate_many
-from evaluation.metrics import expected_calibration_error, roc_auc
 from evaluation.report import write_report
 from evaluation.session import TargetSession, generate
-from pipeline.target_model import capture_features, embedding_weights
+from serving.metrics import expected_calibration_error, roc_auc
+from workers.target.model import capture_features, embedding_weights
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -399,7 +399,7 @@ def test_write_report(tmp_path):
 def test_moe_target_with_real_tokenizer(kind):
     """Text and chat prompts through the SmolLM2 tokenizer; the KV cache of a MoE / MLA target is cropped right."""
     from evaluation.evaluate import encode_prompt
-    from pipeline.target_model import tiny_moe_target
+    from workers.target.model import tiny_moe_target
 
     target, tok = tiny_moe_target(kind)
     cfg = replace(draft_preset("dspark-markov"), num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,

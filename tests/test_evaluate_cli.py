@@ -1,4 +1,5 @@
-"""launch/evaluate_draft.py on an exported (untrained) draft over the real evaluation prompt sets.
+"""launch/evaluate_draft.py on an exported (untrained) draft over the real evaluation prompt sets, run as a user runs
+it; its speed-up table (evaluation/report.py) on hand-made results.
 
 Run: python -m pytest tests/test_evaluate_cli.py -q
 """
@@ -7,13 +8,13 @@ import json
 from dataclasses import replace
 
 import torch
+from launch_helpers import run_script
 
 from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from evaluation.rounds import load_rounds
-from launch.evaluate_draft import main
-from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-from workers.checkpoint import export_draft
+from pipeline.export import export_draft
+from workers.target.model import embedding_weights, load_target, resolve_target_path
 
 
 def export_untrained_draft(out) -> None:
@@ -26,12 +27,19 @@ def export_untrained_draft(out) -> None:
     export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, out)
 
 
-def test_cli_writes_report_and_resumes(tmp_path, capsys):
+def cli(args: list[str]) -> tuple[int, str]:
+    """Run the CLI -> (exit status, stdout)."""
+    res = run_script("evaluate_draft.py", args)
+    assert res.returncode in (0, 2), res.stderr[-3000:]
+    return res.returncode, res.stdout
+
+
+def test_cli_writes_report_and_resumes(tmp_path):
     export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
             "--max-new-tokens", "6", "--temperatures", "0.0", "--out", str(tmp_path / "eval")]
-    assert main(args) == 0
-    table = capsys.readouterr().out
+    code, table = cli(args)
+    assert code == 0
     assert "mine" in table and "humaneval" in table and "mtbench" in table
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 0
@@ -39,19 +47,19 @@ def test_cli_writes_report_and_resumes(tmp_path, capsys):
     streams = load_rounds(tmp_path / "eval" / "mine-T0.0.rounds.parquet")  # recorded rounds, one stream per prompt
     assert set(streams) == {"humaneval", "gsm8k", "mtbench"} and all(len(s) == 1 for s in streams.values())
     cached = (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns
-    assert main(args) == 0  # a second run reuses the cached result
+    assert cli(args)[0] == 0  # a second run reuses the cached result
     assert (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns == cached
-    assert main([*args[:-2], "--datasets", "nope", "--out", str(tmp_path / "e2")]) == 2
+    assert cli([*args[:-2], "--datasets", "nope", "--out", str(tmp_path / "e2")])[0] == 2
 
 
-def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
-    from launch.evaluate_draft import speedup_table
+def test_cli_autoregressive_baseline_gives_speedups(tmp_path):
+    from evaluation.report import speedup_table
 
     export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
             "--max-new-tokens", "6", "--temperatures", "1.0", "--autoregressive", "--out", str(tmp_path / "eval")]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+    code, out = cli(args)
+    assert code == 0
     assert "end-to-end speed-up" in out and "autoregressive" in out
     results = [json.loads(p.read_text()) for p in sorted((tmp_path / "eval").glob("*-T1.0.json"))]
     base = next(r for r in results if r["drafter"] == "autoregressive")
@@ -61,11 +69,11 @@ def test_cli_autoregressive_baseline_gives_speedups(tmp_path, capsys):
     want = sum(mine["datasets"][ds]["tokens_per_s"] / base["datasets"][ds]["tokens_per_s"]
                for ds in base["datasets"]) / 3
     assert abs(macro[("mine", 1.0)] - want) < 1e-12 and mine["datasets"]["gsm8k"]["draft_s_median"] > 0
-    assert main(["--draft", f"autoregressive={tmp_path / 'export'}", *args[2:]]) == 2  # the baseline's name
+    assert cli(["--draft", f"autoregressive={tmp_path / 'export'}", *args[2:]])[0] == 2  # the baseline's name
 
 
 def test_speedup_table_pairs_only_drafts_decoded_in_turn_with_the_baseline():
-    from launch.evaluate_draft import speedup_table
+    from evaluation.report import speedup_table
 
     def res(name, tok_s, batch, prompts=2):
         return {"drafter": name, "temperature": 1.0, "decode_batch": batch,

@@ -14,7 +14,7 @@ import pytest
 from launch_helpers import TINY_MOE, FaultSchedule, LoopbackHead, quiet_env, run_launch
 
 from pipeline.metrics import read_jsonl_metrics
-from workers.ledger import audit_checkpoint
+from workers.trainer.ledger import audit_checkpoint
 
 STEPS = 12
 COMMON = ["--max-steps", str(STEPS), *TINY_MOE, "checkpoint.every_steps=4", "checkpoint.export=false",

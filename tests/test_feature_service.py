@@ -14,15 +14,8 @@ import ray
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore, write_samples
-from pipeline.target_model import resolve_target_path
-from workers.feature_service import FeatureService
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+from workers.target.feature_service import FeatureService
+from workers.target.model import resolve_target_path
 
 
 def _samples(n: int) -> list[TokenizedSample]:

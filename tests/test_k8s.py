@@ -260,12 +260,18 @@ def test_standing_raycluster_has_the_rayjob_cluster_shape() -> None:
     assert _only("RayCluster")["spec"] == _only("RayJob")["spec"]["rayClusterSpec"]
 
 
-def _entrypoint_config(monkeypatch: pytest.MonkeyPatch):
-    """The RunConfig the launcher builds from the RayJob's entrypoint (its own argument parsing and validation)."""
-    from launch.train_v4_draft import build_config, parse_args
+def _entrypoint_config():
+    """The RunConfig the launcher builds from the RayJob's entrypoint (its own argument parsing and validation): the
+    entrypoint run with --print-config from the repository root (the job runs in /app, a copy of it)."""
+    from launch_helpers import run_script
 
-    monkeypatch.chdir(REPO)  # the entrypoint runs in the working dir /app, a copy of this repository
-    return build_config(parse_args(shlex.split(_only("RayJob")["spec"]["entrypoint"])[2:]))
+    from pipeline.config import config_from_dict
+
+    argv = shlex.split(_only("RayJob")["spec"]["entrypoint"])
+    assert argv[:2] == ["python", LAUNCH_SCRIPT]
+    res = run_script(Path(LAUNCH_SCRIPT).name, [*argv[2:], "--print-config"], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return config_from_dict(yaml.safe_load(res.stdout))
 
 
 def _cpus(template: dict[str, Any]) -> float:
@@ -278,8 +284,8 @@ def _under(path: str, template: dict[str, Any]) -> bool:
     return any(Path(path).is_relative_to(m) for m in mounts)
 
 
-def test_cluster_shape_matches_the_launched_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _entrypoint_config(monkeypatch)
+def test_cluster_shape_matches_the_launched_config() -> None:
+    cfg = _entrypoint_config()
     assert cfg.checkpoint.run_dir == shlex.split(_only("RayJob")["spec"]["entrypoint"])[-1]
     spec = _only("RayJob")["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}

@@ -61,7 +61,7 @@ def test_sequences_shorter_than_a_block(tmp_path):
 
 
 def test_nan_features_stop_the_run_without_touching_checkpoints(tmp_path):
-    from pipeline.target_model import resolve_target_path
+    from workers.target.model import resolve_target_path
 
     target = tmp_path / "target"
     shutil.copytree(resolve_target_path("tiny-qwen3-moe"), target)

@@ -6,7 +6,7 @@ Run: python -m pytest tests/test_ledger.py -q
 from __future__ import annotations
 
 from pipeline.order import batch_index_for, batch_sample_ids
-from workers.ledger import Ledger, audit, read_ledger, write_ledger
+from workers.trainer.ledger import Ledger, audit, read_ledger, write_ledger
 
 N, SPB, SEED, GA, WORLD = 10, 3, 5, 2, 2
 

@@ -236,7 +236,7 @@ def test_padded_baseline_density():
 def test_trainers_pack_with_the_configured_anchor_rule():
     """data.full_blocks_first reaches the packer through the trainers' shared pack_micro_batch."""
     from pipeline.config import load_config
-    from workers.train_step import pack_micro_batch
+    from workers.trainer.step import pack_micro_batch
 
     fb = feature_batch([(i, list(range(40)), [True] * 40) for i in range(3)])
     for full_first in (True, False):

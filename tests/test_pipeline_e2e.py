@@ -50,8 +50,8 @@ def test_tiny_moe_target_trains_and_checkpoints(tmp_path):
     cfg = json.loads((run_dir / "export" / "config.json").read_text())
     assert cfg["draft"]["hidden_size"] == 64 and cfg["draft"]["vocab_size"] == 49152
     # the export loads back onto the target's frozen embedding/LM head, weight for weight
-    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
+    from pipeline.export import load_exported_draft
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
@@ -99,7 +99,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, head):
 
 
 def test_ray_and_single_process_trainers_log_the_same_losses(tmp_path, head):
-    """The shared loop (workers/train_loop.py) under its two deployments, 1 trainer rank, same config and data:
+    """The shared loop (workers/trainer/loop.py) under its two deployments, 1 trainer rank, same config and data:
     Ray FeatureService + DeepSpeed ZeRO-2 vs in-process TargetWorker + TorchEngine. Equal to 1e-5 relative: fp32
     draft, the same bf16-rounded features, the same batches; only DeepSpeed's and torch's AdamW/clipping kernels
     differ in summation order."""

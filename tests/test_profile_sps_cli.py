@@ -1,5 +1,6 @@
 """launch/profile_sps.py on a tiny random target: one entry per B, positive rates, provenance, and a round trip
-through serving.sps.SPSTable.from_json; the engine step keeps the KV context fixed; bad input is exit 2.
+through serving.sps.SPSTable.from_json; the engine step (workers/target/engine_step.py) keeps the KV context fixed;
+bad input is one line: exit 2 from the CLI (run as a user runs it), a one-line ValueError from `profile`.
 
 Run: python -m pytest tests/test_profile_sps_cli.py -q
 """
@@ -9,17 +10,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from launch_helpers import run_script
 
-from launch import profile_sps
-from pipeline.target_model import load_target, resolve_target_path
 from serving.sps import REQUIRED_META, SPSTable
+from workers.target.engine_step import EngineStep, profile
+from workers.target.model import load_target, resolve_target_path
 
 
-def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path, capsys):
+def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path):
     out = tmp_path / "sps.json"
-    assert profile_sps.main(["--target", "tiny-qwen3-moe", "--batch-sizes", "2,3,8", "--requests", "2",
-                             "--context", "16", "--repeats", "2", "--out", str(out)]) == 0
-    assert "steps/s" in capsys.readouterr().out
+    res = run_script("profile_sps.py", ["--target", "tiny-qwen3-moe", "--batch-sizes", "2,3,8", "--requests", "2",
+                                        "--context", "16", "--repeats", "2", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "steps/s" in res.stdout
     table = SPSTable.from_json(out)
     assert table.batch_sizes.tolist() == [2, 3, 8] and all(s > 0 for s in table.steps_per_s)
     assert all(k in table.meta for k in REQUIRED_META)
@@ -33,17 +36,24 @@ def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path, capsys):
 
 def test_engine_step_keeps_the_context_and_runs_rectangular_batches():
     model, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
-    step = profile_sps.EngineStep(model, requests=3, context=10)
+    step = EngineStep(model, requests=3, context=10)
     for B in (3, 4, 9):
         step(B)
         assert step.cache.get_seq_length() == 10
     assert step.cache.layers[0].keys.shape[0] == 3  # one cache row per request
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
     out = str(tmp_path / "sps.json")
-    for args in (["--batch-sizes", "4,2"], ["--batch-sizes", "1,2", "--requests", "2"], ["--batch-sizes", "a"],
-                 ["--dtype", "nope"], ["--repeats", "0"]):
-        assert profile_sps.main(["--target", "tiny-qwen3-moe", *args, "--out", out]) == 2
-        err = capsys.readouterr().err.strip()
+    for args in (["--batch-sizes", "4,2"], ["--batch-sizes", "a"]):  # the CLI's own parsing
+        res = run_script("profile_sps.py", ["--target", "tiny-qwen3-moe", *args, "--out", out])
+        assert res.returncode == 2
+        err = res.stderr.strip()
         assert err.startswith("error: ") and "\n" not in err, err
+    # what `profile` refuses, the CLI reports the same way (its one `except ValueError` above)
+    base = {"target_name": "tiny-qwen3-moe", "batch_sizes": [1, 2, 4], "requests": 1, "context": 16, "repeats": 1,
+            "warmup": 0}
+    for bad in ({"batch_sizes": [1, 2], "requests": 2}, {"dtype_name": "nope"}, {"repeats": 0}):
+        with pytest.raises(ValueError) as e:
+            profile(**{**base, **bad})
+        assert "\n" not in str(e.value), e.value

@@ -13,7 +13,6 @@ import json
 import numpy as np
 import pytest
 
-from evaluation.metrics import expected_calibration_error
 from serving.calibration import (
     apply_sts,
     calibration_report,
@@ -24,6 +23,7 @@ from serving.calibration import (
     sigmoid,
     survival,
 )
+from serving.metrics import expected_calibration_error
 
 N, K, OVERCONFIDENCE = 50_000, 4, 3.0
 
@@ -57,7 +57,7 @@ def test_sts_calibrates_the_cumulative_survival(fitted):
     for k in range(K):
         assert rep["ece_after"][k] < 0.015, (k, rep["ece_after"])
         assert rep["ece_after"][k] < rep["ece_before"][k] / 3, (k, rep["ece_before"], rep["ece_after"])
-    # the report's ECE is evaluation.metrics' ECE of the cumulative product against n >= k
+    # the report's ECE is serving.metrics' ECE of the cumulative product against n >= k
     a_NK = survival(apply_sts(logit_NK, t_K))
     assert rep["ece_after"][2] == expected_calibration_error(a_NK[:, 2], n_N >= 3)
     # the observed survival is the generating process's E[Π_{i≤k} c_i] (the synthetic data are what they claim)

@@ -1,5 +1,5 @@
-"""`launch/train_v4_draft.py --single-process` (workers/single_process.py) trains a draft end to end on a machine
-where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
+"""`launch/train_v4_draft.py --single-process` (workers/trainer/single_process.py) trains a draft end to end on a
+machine where neither Ray nor DeepSpeed can be imported (as on a lent accelerator), and its export loads back onto the
 target; a run killed after a checkpoint and started again resumes with the losses of an uninterrupted run; bad
 input is one `error:` line, exit status 2. The serving baselines (mtp1, draft-lm) train a few steps through the
 same trainer, in this process.
@@ -21,22 +21,23 @@ import sys
 import time
 
 import pytest
-from launch_helpers import REPO, TINY_MOE, quiet_env
+from launch_helpers import LAUNCH, REPO, TINY_MOE, quiet_env
 
 from pipeline.metrics import read_jsonl_metrics
 
+# the launch script, run as __main__ in a process where `import ray` and `import deepspeed` raise ImportError, as
+# where they are not installed
 SCRIPT = """
-import sys
-sys.modules["ray"] = None          # `import ray` now raises ImportError, as where it is not installed
+import runpy, sys
+sys.modules["ray"] = None
 sys.modules["deepspeed"] = None
-sys.path.insert(0, {repo!r})
-from launch.train_v4_draft import main
-sys.exit(main(["--single-process", *{args!r}]))
+sys.argv = [{launch!r}, "--single-process", *{args!r}]
+runpy.run_path({launch!r}, run_name="__main__")
 """
 
 
 def _cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-c", SCRIPT.format(repo=str(REPO), args=args)]
+    return [sys.executable, "-c", SCRIPT.format(launch=str(LAUNCH), args=args)]
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
@@ -59,8 +60,8 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     assert "step 20/20 | loss" in res.stderr
     assert json.loads((run_dir / "export" / "config.json").read_text())["draft"]["vocab_size"] == 49152
 
-    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
+    from pipeline.export import load_exported_draft
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
@@ -126,9 +127,9 @@ def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, ga
     """MTP-1 and the draft LM train 3 steps on the tiny MoE target with finite losses, and their export loads back
     as the same architecture."""
     from pipeline.config import load_config
-    from pipeline.target_model import embedding_weights, load_target, resolve_target_path
-    from workers.checkpoint import load_exported_draft
-    from workers.single_process import train_single_process
+    from pipeline.export import load_exported_draft
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.trainer.single_process import train_single_process
 
     run_dir = tmp_path / preset
     cfg = load_config(REPO / "launch" / "configs" / "tiny.yaml",

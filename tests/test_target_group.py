@@ -19,23 +19,20 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from pipeline.contracts import TokenizedSample
+from pipeline.errors import InputError
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import write_samples
-from pipeline.target_model import resolve_target_path
-from pipeline.target_sharding import check_sharding
-from workers.feature_service import FeatureService
-from workers.orchestrate import InputError, check_cluster_fits
-from workers.target_group import TargetGroup
-from workers.target_worker import TargetWorker
+from workers.driver import check_cluster_fits
+from workers.target.feature_service import FeatureService
+from workers.target.group import TargetGroup
+from workers.target.model import resolve_target_path
+from workers.target.sharding import check_sharding
+from workers.target.worker import TargetWorker
 
 LAYERS = [1, 2, -1]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
+RAY_CPUS = 4  # the local_ray fixture's cluster (tests/conftest.py): two groups of two members
 
 
 def _samples(n: int) -> list[TokenizedSample]:
@@ -84,8 +81,8 @@ def test_a_killed_member_restarts_its_whole_group_and_the_batch_is_rerun(local_r
         ((m0, m1),) = ray.get(svc.workers.remote())
         old = [ray.get(m.pid.remote()) for m in (m0, m1)]
         os.kill(old[1], signal.SIGKILL)  # rank 1 crashes; rank 0 is left mid-group
-        # the trainer's path (workers/trainer.py): a batch whose ref died is asked for again. Batch 1 may have been
-        # produced before the kill; the next ones run into the dead member, fail, and are asked for again
+        # the trainer's path (workers/trainer/ray_trainer.py): a batch whose ref died is asked for again. Batch 1 may
+        # have been produced before the kill; the next ones run into the dead member, fail, and are asked for again
         retried = 0
         for b in (1, 2, 3):
             for attempt in range(4):
@@ -129,7 +126,7 @@ def test_two_groups_side_by_side_serve_alternate_batches(local_ray, tmp_path):
 def test_single_process_refuses_a_group(tmp_path):
     import logging
 
-    from workers.single_process import train_single_process
+    from workers.trainer.single_process import train_single_process
 
     cfg = load_config(None, ["target.tp_size=2", f"checkpoint.run_dir={tmp_path}"])
     with pytest.raises(InputError, match=r"^--single-process holds the whole target in this process: target.tp_size"):

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from pipeline import target_model as tm
-from pipeline.chat import render_chat
+from pipeline.data.chat import render_chat
+from workers.target import model as tm
 
 PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string."},
           {"role": "assistant", "content": "def reverse(s):\n    return s[::-1]"}]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import target_model as tm
 from pipeline.contracts import TokenizedSample
-from workers.target_worker import TargetWorker, plan_micro_batches, start_target_actor
+from workers.target import model as tm
+from workers.target.worker import TargetWorker, plan_micro_batches, start_target_actor
 
 LAYERS = [1, 3, -1]
 
@@ -89,16 +89,6 @@ def test_wire_dtype_bf16_and_info(tiny_dirs, tokenizer):
         bf16.encode(1, [])
     with pytest.raises(ValueError, match="unknown dtype"):
         TargetWorker(tiny_dirs["qwen3_moe"], LAYERS, wire_dtype="float13")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    # address="local": always a fresh private cluster, never one another process left running on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_ray_actor_matches_plain_worker(local_ray, tiny_dirs, tokenizer):

@@ -19,7 +19,7 @@ from draft_model.config import LossConfig
 from draft_model.loss import output_loss
 from draft_model.registry import build_draft
 from pipeline.packing import PackStats
-from workers.train_step import DraftWithLoss, MicroBatch, optimizer_step
+from workers.trainer.step import DraftWithLoss, MicroBatch, optimizer_step
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +85,13 @@ def test_grad_accum_step_is_the_global_batch_gradient(single_rank_env):
 
 
 def test_torch_engine_updates_exactly_like_deepspeed(single_rank_env):
-    """workers/single_process.TorchEngine (AdamW, clipping, WarmupCosineLR, accumulation, a head lr group) takes
+    """workers/trainer/engines.TorchEngine (AdamW, clipping, WarmupCosineLR, accumulation, a head lr group) takes
     the DeepSpeed engine's steps, parameter for parameter, so single-process runs train the same drafts."""
     import deepspeed
 
     from pipeline.config import RunConfig
-    from workers.single_process import TorchEngine
-    from workers.train_step import param_groups
-    from workers.trainer import deepspeed_config
+    from workers.trainer.engines import TorchEngine, deepspeed_config
+    from workers.trainer.step import param_groups
 
     torch.manual_seed(0)
     cfg = RunConfig()
@@ -129,7 +128,7 @@ def test_only_the_low_rank_table_gets_the_head_lr(head_kind):
     """train.head_lr_scale speeds up W1/W2 (W2 starts at zero); the RNN head's gate/cell/output layers are
     ordinary dense layers and train at the backbone's lr."""
     from pipeline.config import RunConfig
-    from workers.train_step import param_groups
+    from workers.trainer.step import param_groups
 
     cfg = RunConfig()
     cfg.draft, cfg.train.lr, cfg.train.head_lr_scale = dense_cfg(head=head_kind, rnn_state_size=24), 1e-3, 7.0
@@ -150,8 +149,8 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     """TorchEngine's checkpoint (through CheckpointManager: safetensors weights, optimizer/scheduler/RNG loaded with
     weights_only=True) restores a fresh engine so that its next steps equal an uninterrupted engine's exactly."""
     from pipeline.config import RunConfig
-    from workers.checkpoint import CheckpointManager, write_manifest
-    from workers.single_process import TorchEngine
+    from workers.trainer.checkpoint import CheckpointManager, write_manifest
+    from workers.trainer.engines import TorchEngine
 
     cfg = RunConfig()
     cfg.draft, cfg.loss = dense_cfg(block_size=4), LossConfig(chunk_rows=5)
@@ -191,7 +190,7 @@ def test_host_weight_sum_equals_position_weights():
     import numpy as np
 
     from draft_model.loss import position_weights
-    from workers.train_step import host_weight_sum
+    from workers.trainer.step import host_weight_sum
 
     valid_NK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     for lam in (0.5, 4.0, 100.0):
@@ -213,8 +212,8 @@ def _tiny_run_cfg():
 def test_torch_engine_bf16_autocast_keeps_fp32_master_weights():
     """train.precision=bf16 in the single-process engine is autocast: the forward's matmuls run in bf16 (its loss
     moves off the fp32 one, by about bf16's resolution), while the parameters and their update stay fp32."""
-    from workers.single_process import TorchEngine
-    from workers.train_step import as_loss_parts
+    from workers.trainer.engines import TorchEngine
+    from workers.trainer.step import as_loss_parts
 
     cfg = _tiny_run_cfg()
     embed, head = frozen_weights()
@@ -239,7 +238,7 @@ def test_torch_engine_bf16_autocast_keeps_fp32_master_weights():
 def test_compiled_draft_layers_match_eager():
     """train.compile: torch.compile of every backbone layer (applied from workers/) gives the eager loss and
     gradients, on two batches of different shapes (dynamic shapes, no recompile per batch)."""
-    from workers.train_step import as_loss_parts, compile_draft
+    from workers.trainer.step import as_loss_parts, compile_draft
 
     cfg = _tiny_run_cfg()
     embed, head = frozen_weights()

@@ -1,5 +1,5 @@
 """Stopping on request without Ray: a signal handler that asks for a checkpoint at the next step boundary, and
-the exception and exit status that report such a stop. Used by the driver (workers/orchestrate.py, which forwards
+the exception and exit status that report such a stop. Used by the driver (workers/driver.py, which forwards
 the request to the trainers through workers/run_control.py) and by the single-process trainer.
 """
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class Notice(NamedTuple):
-    """What a rank's poll said at a step boundary (workers/train_loop.fit sums the votes over ranks)."""
+    """What a rank's poll said at a step boundary (workers/trainer/loop.fit sums the votes over ranks)."""
 
     stop: bool = False  # checkpoint after this step, then return (the job exits PREEMPTED_EXIT)
     checkpoint: bool = False  # checkpoint after this step and train on (a node is about to go)

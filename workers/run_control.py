@@ -4,7 +4,7 @@ A SIGTERM (Kubernetes eviction of the driver's pod, `ray job stop`, a spot-insta
 Ctrl-C's cousin `kill`) reaches the driver; the trainers run elsewhere. The driver's handler records the request
 in `RunControl`, a zero-CPU actor of the job; every trainer rank asks it once per step (a ~1 ms call) and the
 ranks' votes are summed with the metrics, so all of them checkpoint after the same step and return
-(workers/train_loop.fit). The driver then raises workers/preemption.StoppedEarly and exits with its status.
+(workers/trainer/loop.fit). The driver then raises workers/preemption.StoppedEarly and exits with its status.
 
 A trainer process that gets SIGTERM itself (its node is drained) records the request the same way, through its
 own handler, so the group still stops together; a rank that is killed outright is a trainer failure instead
@@ -38,7 +38,7 @@ class RunControl:
         return self._reason
 
     def record_fatal(self, message: str) -> None:
-        """A trainer failed in a way a restart would repeat (workers/trainer.FATAL_ERRORS)."""
+        """A trainer failed in a way a restart would repeat (workers/trainer/ray_trainer.FATAL_ERRORS)."""
         if self._fatal is None:
             self._fatal = message
 
@@ -47,7 +47,7 @@ class RunControl:
 
 
 class StopPoller:
-    """`poll` for workers/train_loop.fit on a Ray Train rank, once per step, on every rank:
+    """`poll` for workers/trainer/loop.fit on a Ray Train rank, once per step, on every rank:
     - stop: the driver (or a trainer's own SIGTERM handler) asked RunControl to stop;
     - checkpoint: Ray Train reports that a node of this group is being drained (a spot reclaim or an autoscaler
       drain, `ray.train.get_preemption_info`). The group checkpoints at once and trains on; when the node goes,

@@ -126,14 +126,14 @@ def audit_checkpoint(checkpoint_dir: str | os.PathLike) -> Audit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m workers.ledger RUN_DIR_OR_CHECKPOINT: audit a run's latest checkpoint (or the one given)."""
+    """python -m workers.trainer.ledger RUN_DIR_OR_CHECKPOINT: audit a run's latest checkpoint (or the one given)."""
     import sys
 
-    from workers.checkpoint import CheckpointManager
+    from workers.trainer.checkpoint import CheckpointManager
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m workers.ledger RUN_DIR_OR_CHECKPOINT_DIR", file=sys.stderr)
+        print("usage: python -m workers.trainer.ledger RUN_DIR_OR_CHECKPOINT_DIR", file=sys.stderr)
         return 2
     path = Path(args[0])
     ckpt = path if (path / "meta.json").is_file() else CheckpointManager(path).latest()

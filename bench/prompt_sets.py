@@ -13,7 +13,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from pipeline.corpus import _function_prompts, stdlib_files
+from pipeline.data.corpus import function_prompts, stdlib_files
 
 _MATH_TEMPLATES = [
     "A baker makes {a} loaves of bread every day for {b} days and sells {c} loaves in total. How many loaves are "
@@ -50,7 +50,7 @@ def stdlib_prompts(n: int, seed: int, kind: str) -> list[list[dict]]:
     want = "Explain" if kind == "chat" else "Implement"
     out: list[list[dict]] = []
     for path in files:
-        for _, messages in _function_prompts(path, base, rng):
+        for _, messages in function_prompts(path, base, rng):
             if messages[0]["content"].startswith(want):
                 out.append(messages[:1])
                 if len(out) == n:

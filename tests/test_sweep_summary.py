@@ -1,8 +1,8 @@
-"""The headline arithmetic of a concurrency sweep (serving/summary.py, printed by bench/scheduling.py) on hand-made
-sweep results with exact expected numbers: knee, best static, ratios at the knee, worst over the sweep, the
-matched-throughput interpolation.
+"""The headline arithmetic of a concurrency sweep (bench/sweep_summary.py, printed by bench/scheduling.py) on
+hand-made sweep results with exact expected numbers: knee, best static, ratios at the knee, worst over the sweep,
+the matched-throughput interpolation.
 
-Run: python -m pytest tests/test_serving_summary.py -q
+Run: python -m pytest tests/test_sweep_summary.py -q
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from serving.simulator import SimResult
-from serving.summary import (
+from sweep_summary import (
     best_static,
     headline,
     headline_line,
@@ -22,6 +20,8 @@ from serving.summary import (
     ratio_at,
     worst_over_sweep,
 )
+
+from serving.simulator import SimResult
 
 RS = [1, 2, 4, 8, 16]
 # policy -> (aggregate tokens/s per R, per-user tokens/s per R)

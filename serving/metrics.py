@@ -1,4 +1,5 @@
-"""Calibration metrics of the drafter's confidences: ECE and ROC-AUC. NumPy only (serving/ uses them, torch-free)."""
+"""Calibration metrics of the drafter's confidences: ECE and ROC-AUC. NumPy only (serving/calibration.py fits with
+them; evaluation/ reports them)."""
 
 from __future__ import annotations
 

@@ -2,13 +2,12 @@
 
 The pieces are the distributed pipeline's own: `TargetWorker.encode` makes the features (rounded through the wire
 dtype, as on the object store), pipeline/order.py fixes the batch order, pipeline/packing.py packs the blocks, and
-the shared loop (workers/train_loop.py) runs the steps. Only the engine and the batch source differ: `TorchEngine`
-is torch's AdamW, gradient-norm clipping and a LambdaLR that follows DeepSpeed's WarmupCosineLR step for step
-(with the same config it updates the parameters exactly as the DeepSpeed engine does: tests/test_trainer_step.py);
+the shared loop (workers/trainer/loop.py) runs the steps. Only the engine and the batch source differ:
+`TorchEngine` (workers/trainer/engines.py) updates the parameters exactly as the DeepSpeed engine does;
 `LocalBatches` runs the target for the next step on a background thread while this one trains.
 
 Use it on one GPU or CPU where Ray and DeepSpeed are not installed (bench/drafters.py on a lent accelerator) and
-for debugging. It writes the same resumable checkpoints as the Ray trainers (workers/checkpoint.py layout, with
+for debugging. It writes the same resumable checkpoints as the Ray trainers (workers/trainer/checkpoint.py layout, with
 TorchEngine's state under ds/), and running it again on the same run dir resumes from `latest`. The draft trains in
 fp32 (TF32 matmuls on CUDA); the target runs in target.dtype.
 """
@@ -17,114 +16,28 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from draft_model.batch import BlockBatch
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, save_config
+from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
-from workers.checkpoint import CheckpointManager, export_draft
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
-from workers.train_loop import MicroBatch, fit, resume
-from workers.train_step import (
+from workers.trainer.checkpoint import CheckpointManager
+from workers.trainer.engines import TorchEngine
+from workers.trainer.loop import MicroBatch, fit, resume
+from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
-    export_meta,
     pack_micro_batch,
-    param_groups,
     setup_moe_balance,
 )
-
-
-def warmup_cosine_ratio(iteration: int, total_steps: int, warmup_steps: int, cos_min_ratio: float) -> float:
-    """DeepSpeed's WarmupCosineLR (linear warmup from 0) as a multiplier of each group's lr, where `iteration`
-    is its `last_batch_iteration` (-1 before the first scheduler step)."""
-    if iteration < 0:
-        return 0.0
-    warmup = max(2, warmup_steps)
-    if iteration < warmup:
-        return iteration / warmup
-    progress = min(1.0, (iteration - warmup + 1) / max(1, total_steps - warmup))
-    return max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
-
-
-class TorchEngine:
-    """The slice of DeepSpeed's engine interface that the training loop uses, on plain torch."""
-
-    def __init__(self, module: nn.Module, cfg: RunConfig) -> None:
-        t = cfg.train
-        self.module = module
-        self.grad_accum, self.grad_clip = t.grad_accum, t.grad_clip
-        self.optimizer = torch.optim.AdamW(param_groups(module, cfg), lr=t.lr, betas=tuple(t.betas),
-                                           weight_decay=t.weight_decay, fused=True)  # as deepspeed_config's
-        # LambdaLR's epoch e = scheduler steps taken = DeepSpeed's last_batch_iteration + 1
-        ratio = partial(warmup_cosine_ratio, total_steps=t.max_steps, warmup_steps=max(t.warmup_steps, 1),
-                        cos_min_ratio=t.min_lr_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda e: ratio(e - 1))
-        self._micro = 0
-        # train.precision=bf16 here is autocast: bf16 matmuls, fp32 master weights, optimizer and loss reductions
-        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
-
-    def __call__(self, batch: BlockBatch):
-        device_type = batch.input_ids_T.device.type
-        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
-            return self.module(batch)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.grad_accum).backward()
-
-    def step(self) -> None:
-        self._micro += 1
-        if self._micro % self.grad_accum:
-            return
-        if self.grad_clip > 0:
-            nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def save_checkpoint(self, save_dir: str, tag: str) -> None:
-        """<save_dir>/<tag>/: model.safetensors (the module's state, frozen target weights excluded),
-        optimizer.pt and scheduler.pt (tensors and plain values only: loadable with weights_only=True)."""
-        from safetensors.torch import save_file
-
-        if self._micro % self.grad_accum:
-            raise RuntimeError("a checkpoint between micro-steps would lose the accumulated gradients")
-        out = Path(save_dir) / tag
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.module.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), out / "scheduler.pt")
-
-    def load_checkpoint(self, load_dir: str, tag: str, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
-        """Restore what `save_checkpoint` wrote; (None, {}) when it is not there, as DeepSpeed answers."""
-        from safetensors.torch import load_file
-
-        src = Path(load_dir) / tag
-        if not (src / "model.safetensors").is_file():
-            return None, {}
-        device = next(self.module.parameters()).device
-        self.module.load_state_dict(load_file(str(src / "model.safetensors"), device=str(device)), strict=True)
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(torch.load(src / "optimizer.pt", map_location=device, weights_only=True))
-        if load_lr_scheduler_states:
-            self.scheduler.load_state_dict(torch.load(src / "scheduler.pt", weights_only=True))
-        return str(src), {}
 
 
 class LocalBatches:
@@ -161,9 +74,11 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
                          resume_from: Path | None = None) -> Path:
     """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
     directory."""
+    from pipeline.errors import InputError
+    from pipeline.resume import check_resume, check_samples
     from pipeline.sample_store import samples_digest as digest_samples
-    from workers.orchestrate import InputError, check_resume, check_samples, resolve_inputs
-    from workers.target_worker import TargetWorker
+    from workers.inputs import resolve_inputs
+    from workers.target.worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
     if cfg.train.precision == "bf16" and not on_gpu:

@@ -6,9 +6,9 @@ Input records (JSON lines, JSON or Parquet files via `datasets`, or a hub datase
   {"prompt": str, "response" | "completion": str (optional)}
 
 Rows. A conversation gives one row per assistant turn: the conversation up to and including that turn, rendered
-with the target tokenizer's chat template (pipeline/chat.py). Earlier assistant turns are context only; the loss
+with the target tokenizer's chat template (pipeline/data/chat.py). Earlier assistant turns are context only; the loss
 mask covers the last turn's reply and its end-of-turn token. With regeneration the target writes that last reply
-itself (pipeline/regenerate.py), conditioned on the original earlier turns, and the row keeps the exact tokens
+itself (pipeline/data/regenerate.py), conditioned on the original earlier turns, and the row keeps the exact tokens
 it generated; a conversation that ends on a user turn then also gives a row for the reply it asks for. Rows
 longer than `max_len` tokens are dropped, never truncated (a cut reply would teach the draft a wrong ending).
 
@@ -45,9 +45,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.chat import render_chat
 from pipeline.contracts import TokenizedSample
-from pipeline.regenerate import Generation, Generator, GenParams, batch_seed
+from pipeline.data.chat import render_chat
+from pipeline.data.regenerate import Generation, Generator, GenParams, batch_seed
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Elastic resume: continue a run on a different number of trainers at the same step and the same global batch.
 
 Trainer rank r of R at step s, micro-step m of A consumes feature batch (s*A + m)*R + r (pipeline/order.py), and
-the loss is normalised by the global Σw (workers/train_step.optimizer_step), so keeping A*R fixed keeps the set of
+the loss is normalised by the global Σw (workers/trainer/step.optimizer_step), so keeping A*R fixed keeps the set of
 feature batches of every step and, up to float summation order, the update. Two pieces make that work:
 
 - the driver (`adapt_to_checkpoint`, before any worker starts) sets train.grad_accum to A_old*R_old / R_new, and
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from pipeline.config import RunConfig
-from workers.train_step import all_reduce_sum
+from workers.trainer.step import all_reduce_sum
 
 ELASTIC_STAGES = (0, 1, 2, 3)  # every stage the config accepts; kept so that a new one must be added on purpose
 RESHARD_DIR = "reshard"
@@ -140,8 +140,8 @@ def convert(path: Path, out: Path, meta: dict[str, Any]) -> Path:
 
 
 def load_universal(engine: Any, universal: Path, path: str | Path, rank: int, log: logging.Logger) -> int:
-    """Restore `engine` (built with load_universal, `workers/trainer.deepspeed_engine`) from `universal`, the
-    converted copy of checkpoint `path`; returns the step. The LR scheduler, DeepSpeed's step counters and Adam's
+    """Restore `engine` (built with load_universal, `workers/trainer/engines.deepspeed_engine`) from `universal`,
+    the converted copy of checkpoint `path`; returns the step. The LR scheduler, DeepSpeed's step counters and Adam's
     moments and step come from the universal checkpoint; buffers and RNG are restored here."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
@@ -169,7 +169,7 @@ def repair_zero3_universal_load(optimizer: torch.optim.Optimizer, ds_dir: Path) 
     DeepSpeed 0.19.8); with them the 2 -> 1 -> 2 resumed losses were off the uninterrupted run's by up to 1e-3
     within 4 steps, with both undone they are equal (tests/test_elastic_resume.py):
     - it copies the first param group's hyperparameters into every group, so the head group (lr x
-      train.head_lr_scale, workers/train_step.param_groups) would train at the backbone's lr: put back each
+      train.head_lr_scale, workers/trainer/step.param_groups) would train at the backbone's lr: put back each
       group's own, saved in the universal checkpoint's optimizer_state.pt;
     - it gives every group's state the *same* `step` tensor, which torch's Adam increments in place once per
       group per optimizer step, so the bias correction ran ahead: give each group its own copy."""

@@ -9,29 +9,25 @@ All three use the same config (default: the `tiny` preset, SmolLM2-135M on real 
 On a 2-core machine the default uses 1 trainer, so that target worker and trainer each own one core as they do
 when measured alone.
 
-Run: python bench/pipeline.py [--steps 14] [--warmup 4] [--trainers 1] [extra dotted overrides...]
+Run: python bench/pipeline_overlap.py [--steps 14] [--warmup 4] [--trainers 1] [extra dotted overrides...]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import ray
 
-import ray  # noqa: E402
-
-from launch.train_v4_draft import DEFAULT_CONFIG, connect_ray  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.metrics import get_logger, read_jsonl_metrics  # noqa: E402
-from pipeline.packing import pack  # noqa: E402
-from pipeline.target_model import resolve_target_path  # noqa: E402
-from workers.feature_service import FeatureService  # noqa: E402
-from workers.orchestrate import load_samples, run_training  # noqa: E402
+from pipeline.config import load_config
+from pipeline.metrics import get_logger, read_jsonl_metrics
+from pipeline.packing import pack
+from workers.driver import REPO, connect_ray, run_training
+from workers.inputs import load_samples
+from workers.target.feature_service import FeatureService
+from workers.target.model import resolve_target_path
 
 
 def target_only(cfg, samples, target_path: Path, batches: int, warmup: int) -> float:
@@ -65,13 +61,13 @@ def steady_rate(run_dir: Path, warmup: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--config", default=str(REPO / "launch" / "configs" / "tiny.yaml"))
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    log = get_logger("bench.pipeline")
+    log = get_logger("bench.pipeline_overlap")
     base = [f"cluster.num_trainers={args.trainers}", f"train.max_steps={args.warmup + args.steps}",
             "checkpoint.export=false", "train.tensorboard=false", f"checkpoint.every_steps={10 ** 6}",
             *args.overrides]

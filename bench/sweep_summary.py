@@ -1,5 +1,5 @@
 """The headline numbers of a concurrency sweep (serving.simulator.sweep results), defined once, tested on hand-made
-sweeps (tests/test_serving_summary.py) and printed by bench/scheduling.py.
+sweeps (tests/test_sweep_summary.py) and printed by bench/scheduling.py.
 
 Definitions (all over the concurrencies R of the sweep; "static" = the given static-γ policies of one drafter):
 - best_static(R): the static γ with the highest aggregate tokens/s at R (ties: the first listed).

@@ -1,4 +1,6 @@
-"""Helpers for tests that run the real launch script: a tiny MoE target config and a loopback Ray head."""
+"""The launch harness of the benchmarks and tests that run the real launch script: a tiny MoE target config, a
+loopback Ray head, and a fault schedule. Imported by its own name: bench/ is the folder of a bench script, and
+pytest puts bench/ on sys.path (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -30,10 +32,16 @@ def quiet_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_script(script: str, args: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+               ) -> subprocess.CompletedProcess:
+    """`python launch/<script> ARGS` from the repository root, as a user runs it (nothing imports launch/)."""
+    return subprocess.run([sys.executable, str(REPO / "launch" / script), *args], cwd=REPO, env=env or quiet_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def run_launch(args: list[str], timeout: float = 600, env: dict[str, str] | None = None,
                ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=REPO, env=env or quiet_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_script(LAUNCH.name, args, timeout, env)
 
 
 def free_port() -> int:

@@ -1,0 +1,59 @@
+"""The exported draft: model.safetensors + config.json, written at the end of a run and read by every consumer.
+
+    export/
+        model.safetensors   the draft's trained weights (fp32; the target's frozen embedding and LM head left out)
+        config.json         {"draft": DraftConfig.to_dict(), "target": target.path, "format": "dspark-draft-v1"}
+        calibration.json    (later, optional) STS temperatures written by launch/calibrate_draft.py
+
+The writer (the trainers) and the reader (evaluation, bench) share this module, below both, so the format is
+defined once and the evaluator does not reach into the trainer's checkpoint code to read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draft_model.registry import build_draft
+from pipeline.config import RunConfig, config_from_dict
+
+
+def export_meta(cfg: RunConfig) -> dict[str, Any]:
+    """config.json of a run's export: what `load_exported_draft` rebuilds from."""
+    return {"draft": cfg.draft.to_dict(), "target": cfg.target.path, "format": "dspark-draft-v1"}
+
+
+def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write the trained draft as model.safetensors + config.json (without the target's embedding/LM head)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_exported_draft(export_dir: str | Path, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> torch.nn.Module:
+    """Rebuild a draft written by `export_draft` on the target's frozen embedding and LM head (eval mode)."""
+    from safetensors.torch import load_file
+
+    d = Path(export_dir)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{d} is not an exported draft (needs config.json and model.safetensors)")
+    meta = json.loads((d / "config.json").read_text())
+    cfg = config_from_dict({"draft": meta["draft"]}).draft
+    model = build_draft(cfg, embed_VD, lm_head_VD)
+    missing, unexpected = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{d}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model.eval()

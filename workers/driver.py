@@ -1,0 +1,168 @@
+"""The driver's side of a run: inputs (workers/inputs.py), resume checks (pipeline/resume.py), the cluster fit, the
+feature service, then Ray Train + DeepSpeed; and how this process connects to Ray.
+
+`run_training` never branches on how it was launched (local Ray, `ray job submit`, KubeRay): the caller only
+passes how to connect. Problems the user can fix (bad data, a draft that does not fit the target, a resume that
+does not match the checkpoint) raise InputError before any worker starts or any checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.config import RunConfig, save_config
+from pipeline.errors import InputError
+from pipeline.resume import check_resume, check_samples
+from workers.inputs import resolve_inputs, write_run_samples
+
+# the checkout this module runs from; Ray workers started by this driver import the same code (worker_runtime_env)
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TrainingFailed(RuntimeError):
+    """A trainer failed in a way no restart fixes; the message is the trainer's error, one line."""
+
+
+def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
+    """InputError (one line) when the connected cluster cannot hold the target groups and trainers the config asks
+    for: in total, and each group on one node (its placement group is STRICT_PACK). `nodes` holds each live node's
+    total resources (ray.nodes()'s "Resources"). A cluster that grows (an autoscaler) is not foreseen here."""
+    t, c = cfg.target, cfg.cluster
+    group = {"GPU": t.tp_size * t.gpus_per_worker, "CPU": t.tp_size * t.cpus_per_worker}
+    trainers = {"GPU": c.num_trainers * (1.0 if c.use_gpu else 0.0), "CPU": c.num_trainers * c.cpus_per_trainer}
+    shape = f"target.num_workers={t.num_workers} x target.tp_size={t.tp_size}"
+    for kind, per in (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker")):
+        have = sum(n.get(kind, 0.0) for n in nodes)
+        need = t.num_workers * group[kind] + trainers[kind]
+        if need > have + 1e-9:
+            raise InputError(f"the run needs {need:g} {kind}s ({shape} x target.{per}={getattr(t, per):g}, plus "
+                             f"{trainers[kind]:g} for {c.num_trainers} trainer(s)) but the Ray cluster has {have:g}")
+        biggest = max((n.get(kind, 0.0) for n in nodes), default=0.0)
+        if t.tp_size > 1 and group[kind] > biggest + 1e-9:
+            raise InputError(f"a target group needs {group[kind]:g} {kind}s on one node (target.tp_size={t.tp_size} "
+                             f"x target.{per}={getattr(t, per):g}) but the largest node has {biggest:g}")
+
+
+def worker_runtime_env() -> dict | None:
+    """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
+    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared)."""
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return None
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}}
+
+
+def connect_ray(cfg) -> None:
+    import ray
+
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    runtime_env = worker_runtime_env()
+    if address:
+        ray.init(address=address, runtime_env=runtime_env)
+        return
+    t, c = cfg.target, cfg.cluster
+    needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
+    num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+    # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
+    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
+             runtime_env=runtime_env)
+
+
+def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
+                 log: logging.Logger) -> None:
+    """Train to the end, or raise StoppedEarly after a stop request (SIGTERM/SIGINT on this process, or on a
+    trainer: workers/run_control.py) once every trainer has checkpointed the same step."""
+    import json
+
+    import ray
+    from ray.train import FailureConfig, ScalingConfig
+    from ray.train import RunConfig as RayRunConfig
+    from ray.train.torch import TorchTrainer
+
+    from workers.preemption import StoppedEarly, stop_on_signal
+    from workers.run_control import RunControl
+    from workers.target.feature_service import FeatureService
+    from workers.trainer.ray_trainer import train_loop
+    from workers.trainer.reshard import adapt_to_checkpoint
+
+    meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
+    if meta is not None:
+        try:  # another trainer count: keep the checkpoint's global batch (workers/trainer/reshard.py)
+            adapt_to_checkpoint(cfg, meta, log)
+        except ValueError as e:
+            raise InputError(str(e)) from e
+        check_resume(cfg, meta)
+    target_path, samples = resolve_inputs(cfg, log)
+    run_dir = Path(cfg.checkpoint.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    samples_path, samples_digest = write_run_samples(samples, run_dir)
+    if meta is not None:
+        check_samples(meta, samples_digest)
+    num_samples = len(samples)
+    del samples  # the feature service reads them back by id; the driver need not hold the dataset
+
+    connect()
+    check_cluster_fits(cfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    control = RunControl.remote()
+    target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
+    service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(
+        str(samples_path), target, list(cfg.draft.target_layers), cfg.data.samples_per_batch, cfg.data.seed,
+        cfg.data.max_in_flight, cfg.data.replay_batches)
+    info = ray.get(service.target_info.remote())
+    try:
+        cfg.draft = cfg.draft.resolved_for_target(info["vocab_size"], info["hidden_size"], info["num_layers"])
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    (weights_ref,) = ray.get(service.embedding_weights.remote())
+
+    save_config(cfg, run_dir / "config.yaml")
+    log.info("training %s draft (%d layers, ffn %s, residual %s, window %d, gamma %d, head %s) for %d steps on %d "
+             "trainer(s); %s", cfg.draft.arch, cfg.draft.num_layers, cfg.draft.ffn, cfg.draft.residual,
+             cfg.draft.sliding_window, cfg.draft.block_size, cfg.draft.head, cfg.train.max_steps,
+             cfg.cluster.num_trainers, f"resuming from {resume_from}" if resume_from else "fresh start")
+
+    resources = {"CPU": cfg.cluster.cpus_per_trainer, **cfg.cluster.resources_per_trainer}
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"config": cfg.to_dict(), "service": service, "control": control,
+                           "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest},
+        scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train",
+                                failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
+    )
+    try:
+        with stop_on_signal(lambda name: control.request_stop.remote(name)):
+            trainer.fit()
+        fatal, reason = ray.get([control.fatal_error.remote(), control.stop_reason.remote()])
+        if fatal is not None:  # the retried trainer group returned at once (workers/trainer/ray_trainer.train_loop)
+            raise TrainingFailed(fatal)
+    finally:
+        ray.get(service.shutdown.remote())
+        ray.kill(service, no_restart=True)
+    if reason is not None:
+        from workers.trainer.checkpoint import CheckpointManager
+
+        # the trainers verified and wrote it just now: sizes are enough to find its step
+        latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest(verify="size")
+        step = int(json.loads((latest / "meta.json").read_text())["step"]) if latest else 0
+        if step < cfg.train.max_steps:  # else the request came during the last step: the run is complete
+            raise StoppedEarly(step, cfg.train.max_steps)
+
+
+def root_cause(e: BaseException) -> str:
+    """The innermost exception of a Ray/Train failure chain, as 'Type: message' (first line only)."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "cause", None) or e.__cause__
+        if isinstance(inner, BaseException):
+            e = inner
+            continue
+        break
+    text = str(e).strip().splitlines()
+    msg = next((ln for ln in reversed(text) if ln.strip() and not ln.startswith(" ")), "") if text else ""
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__

@@ -1,0 +1,80 @@
+"""What a run trains on, resolved on the driver before any worker starts: the target's path (checked against the
+draft from its config.json), the training samples from data.source (the embedded default corpus, a prepared
+Parquet directory, or a JSONL file) and the run's samples file. Shared by the Ray driver (workers/driver.py) and
+the single-process trainer; every problem the user can fix is an InputError.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pipeline.config import RunConfig
+from pipeline.errors import InputError
+from workers.target.model import resolve_target_path
+
+
+def precheck_target(cfg: RunConfig, target_path: Path) -> None:
+    """Catch a draft that cannot sit on the target from its config.json, before any worker starts."""
+    config_json = target_path / "config.json"
+    if not config_json.is_file():
+        return  # a .gguf target: the target worker reports its dimensions once loaded
+    from transformers import AutoConfig
+
+    from workers.target.sharding import check_sharding
+
+    tc = AutoConfig.from_pretrained(str(target_path))
+    tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+    try:
+        cfg.draft.check_target(int(tc.vocab_size), int(tc.hidden_size), int(tc.num_hidden_layers))
+        check_sharding(tc, cfg.target.tp_size, cfg.target.expert_parallel)
+    except ValueError as e:
+        raise InputError(str(e)) from e
+
+
+def load_samples(cfg: RunConfig, target_path: Path) -> list:
+    from pipeline.data.corpus import default_corpus, load_jsonl_corpus
+    from pipeline.data.rows import load_parquet_corpus
+    from workers.target.model import load_tokenizer
+
+    tokenizer = load_tokenizer(target_path)
+    try:
+        if cfg.data.source == "default":
+            samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)
+        elif cfg.data.source.endswith(".parquet") or Path(cfg.data.source).is_dir():  # launch/prepare_data.py output
+            samples = load_parquet_corpus(cfg.data.source, max_len=cfg.data.max_len, num_samples=cfg.data.num_samples)
+        else:
+            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len)[:cfg.data.num_samples]
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from e
+    if not samples:
+        raise InputError(f"dataset {cfg.data.source!r} has no samples")
+    trainable = sum(1 for s in samples if len(s.input_ids) >= 2 and s.loss_mask[1:].any())
+    if trainable == 0:
+        raise InputError(f"dataset {cfg.data.source!r}: none of its {len(samples)} samples has a trainable block "
+                         f"(every sequence is shorter than 2 tokens or has no loss-masked token)")
+    return samples
+
+
+def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
+    """The target's path and the training samples, after every check that needs no worker (InputError if bad)."""
+    if cfg.data.max_len <= cfg.draft.block_size:
+        raise InputError(f"data.max_len ({cfg.data.max_len}) must exceed draft.block_size ({cfg.draft.block_size}): "
+                         "a sequence needs an anchor and at least one token after it")
+    try:
+        target_path = resolve_target_path(cfg.target.path)
+    except FileNotFoundError as e:
+        raise InputError(str(e)) from e
+    precheck_target(cfg, target_path)
+    samples = load_samples(cfg, target_path)
+    log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
+    return target_path, samples
+
+
+def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:
+    """The run's samples as <run_dir>/samples.parquet (the feature service reads rows from it by id) and the
+    sha256 of their tokens. A resumed run rewrites it from the same source; comparing the digest with the
+    checkpoint's proves the samples did not change under the run."""
+    from pipeline.sample_store import SAMPLES_FILE, samples_digest, write_samples
+
+    return write_samples(samples, run_dir / SAMPLES_FILE), samples_digest(samples)
