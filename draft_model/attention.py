@@ -85,7 +85,10 @@ def token_positions_T(seq_start_S1: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class GQAProjections(nn.Module):
-    """Query/key/value/output projections with grouped KV heads and RoPE, shared by the draft attentions."""
+    """Query/key/value/output projections with grouped KV heads and RoPE, shared by the draft attentions.
+
+    With `draft.qk_norm` every query and key head is RMS-normalised over its head dim (one weight [E] for queries,
+    one for keys, Qwen3's q_norm/k_norm) before RoPE: what the engines' DFlash/DSpark layers apply."""
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -95,7 +98,19 @@ class GQAProjections(nn.Module):
         self.k_proj = nn.Linear(D, cfg.num_kv_heads * E, bias=False)
         self.v_proj = nn.Linear(D, cfg.num_kv_heads * E, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * E, D, bias=False)
+        self.q_norm = nn.RMSNorm(E, eps=cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(E, eps=cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = RotaryEmbedding(E, cfg.rope_theta)
+
+    def query_heads(self, x_LD: torch.Tensor) -> torch.Tensor:
+        """Un-rotated queries [..., H, E] of normed inputs [..., D]."""
+        q = self.q_proj(x_LD).unflatten(-1, (self.num_heads, self.head_dim))
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def key_heads(self, x_LD: torch.Tensor) -> torch.Tensor:
+        """Un-rotated keys [..., G, E] of normed inputs [..., D]."""
+        k = self.k_proj(x_LD).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return k if self.k_norm is None else self.k_norm(k)
 
 
 class ContextBlockAttention(GQAProjections):
@@ -103,11 +118,11 @@ class ContextBlockAttention(GQAProjections):
         N, K, _ = x_NKD.shape
         H, G, E = self.num_heads, self.num_kv_heads, self.head_dim
         U = ctx.ctx_UD.shape[0]
-        q_NKHE = apply_rope(self.q_proj(x_NKD).view(N, K, H, E), ctx.rope_slot)
-        kb_NKGE = apply_rope(self.k_proj(x_NKD).view(N, K, G, E), ctx.rope_slot)
+        q_NKHE = apply_rope(self.query_heads(x_NKD), ctx.rope_slot)
+        kb_NKGE = apply_rope(self.key_heads(x_NKD), ctx.rope_slot)
         vb_NKGE = self.v_proj(x_NKD).view(N, K, G, E)
         # context keys at their own absolute positions, computed once per token, then laid out per block/group
-        kc_UGE = apply_rope(self.k_proj(ctx.ctx_UD).view(U, G, E), ctx.rope_ctx)
+        kc_UGE = apply_rope(self.key_heads(ctx.ctx_UD), ctx.rope_ctx)
         vc_UGE = self.v_proj(ctx.ctx_UD).view(U, G, E)
         if ctx.layout is not None:
             out_NKHE = self._packed(q_NKHE, kb_NKGE, vb_NKGE, kc_UGE, vc_UGE, ctx.layout)
@@ -166,14 +181,13 @@ class StepAttention(GQAProjections):
     def keys_values(self, x_LD: torch.Tensor, pos_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [L, G, E] of normed inputs x at positions pos (any leading shape L)."""
         G, E = self.num_kv_heads, self.head_dim
-        k = self.rope(self.k_proj(x_LD).unflatten(-1, (G, E)), pos_L)
-        return k, self.v_proj(x_LD).unflatten(-1, (G, E))
+        return self.rope(self.key_heads(x_LD), pos_L), self.v_proj(x_LD).unflatten(-1, (G, E))
 
     def forward(self, x_ND: torch.Tensor, pos_N: torch.Tensor, ctx: StepContext, k_NGSE: torch.Tensor,
                 v_NGSE: torch.Tensor) -> torch.Tensor:
         N = x_ND.shape[0]
         H, G, E = self.num_heads, self.num_kv_heads, self.head_dim
-        q_NGRE = self.rope(self.q_proj(x_ND).view(N, H, E), pos_N).view(N, G, H // G, E) * E ** -0.5
+        q_NGRE = self.rope(self.query_heads(x_ND), pos_N).view(N, G, H // G, E) * E ** -0.5
         s_ctx_NGRW = (q_NGRE @ ctx.k_NGWE.transpose(-1, -2)).float()
         s_ctx_NGRW = s_ctx_NGRW.masked_fill(~ctx.valid_NW[:, None, None, :], float("-inf"))
         s_own_NGRS = (q_NGRE @ k_NGSE.transpose(-1, -2)).float()  # every earlier step and itself: all visible

@@ -70,6 +70,13 @@ class DraftConfig:
     confidence: bool = True  # confidence head c_k = sigmoid(w^T [h_k; W1[x_{k-1}]])
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # the two forms every serving engine's DFlash/DSpark layer implements (docs/serving-export.md); both off here so
+    # configs written before them rebuild the same model; the servable presets turn them on
+    qk_norm: bool = False  # per-head RMSNorm on queries and on every key (context and block) before RoPE (Qwen3)
+    mask: str = "learned"  # block slots 1..γ-1: "learned" (a trained vector) | "token" (the frozen target
+    #                        embedding row of mask_token_id)
+    mask_token_id: int = -1  # mask="token": a target token id the data never holds; -1 = chosen at launch from the
+    #                          target's tokenizer and chat template (pipeline/mask_token.py)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -102,6 +109,14 @@ class DraftConfig:
                              "set draft.head_dim")
         if self.ffn == "moe":
             self.moe.validate()
+        if self.mask not in ("learned", "token"):
+            raise ValueError(f"draft.mask must be 'learned' or 'token', got {self.mask!r}")
+        if self.mask_token_id < -1 or (self.vocab_size and self.mask_token_id >= self.vocab_size):
+            raise ValueError(f"draft.mask_token_id must be -1 (chosen at launch) or a token id in "
+                             f"0..{self.vocab_size - 1 if self.vocab_size else 'vocab-1'}, got {self.mask_token_id}")
+        if self.mask == "token" and self.arch != "dspark":
+            raise ValueError(f"draft.mask='token' is the block mask slot of arch 'dspark'; draft.arch={self.arch!r} "
+                             "has no mask slots (use draft.mask=learned)")
         self._validate_baselines()
 
     def _validate_baselines(self) -> None:

@@ -57,7 +57,7 @@ class _DecoderLayer(nn.Module):
         H, E = at.num_heads, at.head_dim
         xn_TD = self.attn_norm(x_TD)
         k_TGE, v_TGE = at.keys_values(xn_TD, pos_T)
-        q_THE = at.rope(at.q_proj(xn_TD).unflatten(-1, (H, E)), pos_T)
+        q_THE = at.rope(at.query_heads(xn_TD), pos_T)
         outs = []
         for a, b in zip(seq_start[:-1], seq_start[1:]):  # a few sequences per batch; SDPA per sequence
             o_HLE = F.scaled_dot_product_attention(q_THE[a:b].transpose(0, 1), k_TGE[a:b].transpose(0, 1),

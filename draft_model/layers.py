@@ -1,9 +1,11 @@
 """The parallel draft backbone (DFlash-style): context fusion, block input, decoder layers, final norm.
 
-Block n's input is [embed(x_0), m, ..., m] (γ slots, m a learned mask vector); slot k predicts the token at
-p+k+1. The configured target layers' hidden states (ctx_feats, F = m*D) are fused once per token by
-Linear(F->D) + RMSNorm into H_ctx, which every layer's attention reads as extra keys/values (attention.py).
-Each layer is pre-norm attention + FFN (dense SwiGLU or MoE), with a plain residual or mHC streams.
+Block n's input is [embed(x_0), m, ..., m] (γ slots); slot k predicts the token at p+k+1. The mask m is a learned
+vector (`draft.mask=learned`) or the frozen target embedding row of `draft.mask_token_id` (`token`: the engines'
+form, nothing of it trained or shipped). The configured target layers' hidden states (ctx_feats, F = m*D) are
+fused once per token by Linear(F->D) + RMSNorm into H_ctx, which every layer's attention reads as extra
+keys/values (attention.py). Each layer is pre-norm attention + FFN (dense SwiGLU or MoE), with a plain residual
+or mHC streams.
 
 Legend: T tokens, N blocks, K block size γ, W context width, D hidden, F context feature width, n mHC streams.
 """
@@ -64,7 +66,11 @@ class DraftBackbone(nn.Module):
         self.ctx_width = len(cfg.target_layers) * D
         self.ctx_proj = nn.Linear(self.ctx_width, D, bias=False)
         self.ctx_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
-        self.mask_embed_D = nn.Parameter(torch.randn(D) * 0.02)
+        if cfg.mask == "learned":
+            self.mask_embed_D = nn.Parameter(torch.randn(D) * 0.02)
+        elif cfg.mask_token_id < 0:
+            raise ValueError("draft.mask='token' needs draft.mask_token_id (the launcher chooses it from the target's "
+                             "tokenizer when it is -1; a draft built directly must name it)")
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
 
@@ -77,12 +83,13 @@ class DraftBackbone(nn.Module):
         K = self.cfg.block_size
         if batch.block_size != K:
             raise ValueError(f"BlockBatch has block size {batch.block_size}, the draft was built for {K}")
-        dtype = self.mask_embed_D.dtype
+        dtype = self.ctx_proj.weight.dtype
         ctx = AttnContext.build(batch, self.cfg, lambda feats_UF: self.ctx_norm(self.ctx_proj(feats_UF.to(dtype))))
 
         anchor_ND = embed_VD[batch.anchor_ids_N()].to(dtype)
         N = anchor_ND.shape[0]
-        x = torch.cat([anchor_ND[:, None, :], self.mask_embed_D.expand(N, K - 1, -1)], dim=1)
+        mask_D = self.mask_embed_D if self.cfg.mask == "learned" else embed_VD[self.cfg.mask_token_id].to(dtype)
+        x = torch.cat([anchor_ND[:, None, :], mask_D.expand(N, K - 1, -1)], dim=1)
         if self.cfg.residual == "mhc":
             x = expand_streams(x, self.cfg.mhc_streams)
         aux = x.new_zeros(())

@@ -12,23 +12,27 @@ from collections.abc import Callable
 from draft_model.config import FINAL_HIDDEN, DraftConfig, MoEConfig, evenly_spaced_layers
 
 _ATTN = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+# the forms the engines' DFlash/DSpark layers implement (per-head q/k norm, mask slot = a token's frozen embedding):
+# the dense DSpark presets take them so that what they train exports exactly (pipeline/engine_export.py)
+_SERVABLE = dict(qk_norm=True, mask="token")
 
 
 def _dflash() -> DraftConfig:
     # DFlash proper uses 16-token blocks; we use γ = 7 (the DSpark paper's setting) so that acceptance numbers
     # are comparable with the dspark presets. Dense, full attention, no sequential head, confidence kept.
     return DraftConfig(arch="dspark", block_size=7, num_layers=5, ffn="dense", residual="plain",
-                       sliding_window=0, head="none", confidence=True, **_ATTN)
+                       sliding_window=0, head="none", confidence=True, **_ATTN, **_SERVABLE)
 
 
 def _dspark_markov() -> DraftConfig:
     return DraftConfig(arch="dspark", block_size=7, num_layers=2, ffn="dense", residual="plain",
-                       sliding_window=0, head="markov", head_rank=256, confidence=True, **_ATTN)
+                       sliding_window=0, head="markov", head_rank=256, confidence=True, **_ATTN, **_SERVABLE)
 
 
 def _dspark_rnn() -> DraftConfig:
     return DraftConfig(arch="dspark", block_size=7, num_layers=2, ffn="dense", residual="plain",
-                       sliding_window=0, head="rnn", head_rank=256, rnn_state_size=256, confidence=True, **_ATTN)
+                       sliding_window=0, head="rnn", head_rank=256, rnn_state_size=256, confidence=True, **_ATTN,
+                       **_SERVABLE)
 
 
 def _v4() -> DraftConfig:

@@ -10,6 +10,7 @@ from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig, MoEConfig
 
 V, D = 96, 32
+MASK_ID = 3  # draft.mask='token' presets in tests: SmolLM2's <repo_name>, which no test data holds
 
 
 def make_batch(seq_lens: list[int], blocks: list[tuple[int, int]], block_size: int, feat_width: int,
@@ -43,7 +44,8 @@ def tiny(cfg: DraftConfig, **overrides) -> DraftConfig:
     small = dict(vocab_size=V, hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=0, intermediate_size=64,
                  head_rank=16, rnn_state_size=24, moe=replace(cfg.moe, num_experts=4, top_k=2,
                                                               expert_intermediate_size=32),
-                 mhc_streams=3, sliding_window=min(cfg.sliding_window, 6))
+                 mhc_streams=3, sliding_window=min(cfg.sliding_window, 6),
+                 mask_token_id=MASK_ID if cfg.mask == "token" and cfg.mask_token_id < 0 else cfg.mask_token_id)
     small.update(overrides)
     return replace(cfg, **small)
 

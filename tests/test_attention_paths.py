@@ -29,6 +29,9 @@ SHAPES = {
     "moe-mhc-full": lambda **kw: moe_mhc_cfg(block_size=K, **kw),
     "moe-mhc-swa": lambda **kw: moe_mhc_cfg(block_size=K, sliding_window=6, **kw),
     "gqa1-full": lambda **kw: dense_cfg(block_size=K, head="none", num_kv_heads=1, **kw),
+    # the servable form: per-head q/k norm on the block and the context keys, mask slot = a token's embedding
+    "qknorm-token-mask-swa": lambda **kw: dense_cfg(block_size=K, sliding_window=6, qk_norm=True, mask="token",
+                                                    mask_token_id=3, **kw),
 }
 
 

@@ -41,7 +41,7 @@ def target():
 @pytest.fixture
 def export(tmp_path, target):
     cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                  intermediate_size=64, head_rank=8, block_size=GAMMA, target_layers=[1, -1])
+                  intermediate_size=64, head_rank=8, block_size=GAMMA, target_layers=[1, -1], mask_token_id=3)
     torch.manual_seed(0)
     draft = build_draft(cfg, *embedding_weights(target))
     with torch.no_grad():  # spread the untrained confidence logits, so STS has something to move

@@ -274,7 +274,7 @@ def test_session_rejects_an_overlong_sequence():
 def _tiny_draft(target, preset: str, **overrides):
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_layers=1, head_rank=8,
                  rnn_state_size=8, block_size=3)
-    cfg = replace(draft_preset(preset), **{**shape, **overrides})
+    cfg = replace(draft_preset(preset), **{**shape, "mask_token_id": 3, **overrides})
     torch.manual_seed(0)
     model = build_draft(cfg, *embedding_weights(target))
     if model.head_w2() is not None:  # a fresh head is a no-op (W2 = 0); make it matter
@@ -403,7 +403,7 @@ def test_moe_target_with_real_tokenizer(kind):
 
     target, tok = tiny_moe_target(kind)
     cfg = replace(draft_preset("dspark-markov"), num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-                  num_layers=1, head_rank=8, block_size=4, target_layers=[1, -1])
+                  num_layers=1, head_rank=8, block_size=4, target_layers=[1, -1], mask_token_id=3)
     drafter = DSparkDrafter(build_draft(cfg, *embedding_weights(target)))
     prompts = {"text": ["def fibonacci(n):"], "chat": [[{"role": "user", "content": "Say hi"}]]}
     res = evaluate(target, tok, drafter, prompts, 0.0, 12)

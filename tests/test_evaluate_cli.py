@@ -21,7 +21,7 @@ def export_untrained_draft(out) -> None:
     """A seeded, untrained 1-layer DSpark (γ = 3) on the tiny Qwen3-MoE target, exported to `out`."""
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                  intermediate_size=64, head_rank=8, block_size=3, target_layers=[1, -1])
+                  intermediate_size=64, head_rank=8, block_size=3, target_layers=[1, -1], mask_token_id=3)
     torch.manual_seed(0)
     draft = build_draft(cfg, *embedding_weights(target))
     export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, out)
