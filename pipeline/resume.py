@@ -34,6 +34,7 @@ RESUMABLE_CHANGES = (
 # Owned by elastic resume (workers/trainer/reshard.py): only the product, the global batch, must stay.
 GLOBAL_BATCH = ("train.grad_accum", "cluster.num_trainers")
 FILLED_FROM_TARGET = ("draft.vocab_size", "draft.hidden_size")  # 0 in the config until the target is resolved
+CHOSEN_AT_LAUNCH = ("draft.mask_token_id",)  # -1 = choose at launch (pipeline/mask_token.py); an explicit id must match
 # keys whose default changed after they existed: a checkpoint's config that lacks one ran with this value
 FORMER_DEFAULTS = {"loss.matmul_dtype": "float32"}  # bfloat16 by default since the step work (#11)
 
@@ -66,6 +67,8 @@ def check_resume(cfg: RunConfig, meta: dict) -> None:
                          f"({ga_a} x {nt_a}); a resume may regroup the global batch, not resize it ({hint})")
     for name, value in now.items():
         if _allowed(name) or name in GLOBAL_BATCH or name in FILLED_FROM_TARGET:
+            continue
+        if name in CHOSEN_AT_LAUNCH and value == -1:  # chosen again, the same way, then checked like the data
             continue
         old = saved.get(name, default.get(name))
         if old != value:

@@ -32,12 +32,12 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
         raise InputError(str(e)) from e
 
 
-def load_samples(cfg: RunConfig, target_path: Path) -> list:
+def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
     from pipeline.data.corpus import default_corpus, load_jsonl_corpus
     from pipeline.data.rows import load_parquet_corpus
     from workers.target.model import load_tokenizer
 
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_path)
     try:
         if cfg.data.source == "default":
             samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)
@@ -66,9 +66,29 @@ def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
     precheck_target(cfg, target_path)
-    samples = load_samples(cfg, target_path)
+    from workers.target.model import load_tokenizer
+
+    tokenizer = load_tokenizer(target_path)
+    samples = load_samples(cfg, target_path, tokenizer)
     log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
+    resolve_mask_token(cfg, tokenizer, samples, log)
     return target_path, samples
+
+
+def resolve_mask_token(cfg: RunConfig, tokenizer, samples: list, log: logging.Logger) -> None:
+    """draft.mask=token: choose the id when it is -1, then check it against the template and the data."""
+    if cfg.draft.mask != "token":
+        return
+    from pipeline.mask_token import check_mask_token, choose_mask_token
+
+    try:
+        if cfg.draft.mask_token_id < 0:
+            cfg.draft.mask_token_id = choose_mask_token(tokenizer)
+            log.info("draft.mask_token_id: %d (%r), a token the chat template and the data never use",
+                     cfg.draft.mask_token_id, tokenizer.convert_ids_to_tokens(cfg.draft.mask_token_id))
+        check_mask_token(cfg.draft.mask_token_id, tokenizer, samples)
+    except ValueError as e:
+        raise InputError(str(e)) from e
 
 
 def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:

@@ -1,0 +1,57 @@
+"""The mask token of a `draft.mask=token` draft: a target token id whose frozen embedding row fills the block's
+mask slots, the form the serving engines read (`mask_token_id` in their draft configs).
+
+The id must never appear where the draft reads real tokens, or a real token would look like "not yet drafted":
+not in the training data, not in what the chat template writes, not a token the target ends or pads with.
+`choose_mask_token` picks the lowest added (special) token of the tokenizer that none of those use;
+`check_mask_token` refuses an id the data or the template holds. Both run at launch, before any worker starts
+(workers/inputs.py); the chosen id is saved in the run's config, so a resume and the export keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+# a conversation with every role the chat renderer writes (pipeline/data/chat.py)
+_PROBE_CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+               {"role": "assistant", "content": "a"}]
+
+
+def template_ids(tokenizer) -> set[int]:
+    """Ids the tokenizer's chat template writes around messages, plus its bos/eos/pad/unk tokens."""
+    ids = {i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                       tokenizer.unk_token_id) if i is not None}
+    if getattr(tokenizer, "chat_template", None):
+        for chat in (_PROBE_CHAT, _PROBE_CHAT[1:]):  # some templates refuse a system turn
+            try:
+                out = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            except Exception:  # noqa: BLE001 (a template may raise anything on a role it does not know)
+                continue
+            ids.update(int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out))
+    return ids
+
+
+def choose_mask_token(tokenizer) -> int:
+    """The lowest added token id (the tokenizer's special/control tokens) that the chat template and the
+    tokenizer's own bos/eos/pad/unk never use. ValueError if there is none."""
+    used = template_ids(tokenizer)
+    added = sorted(int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}))
+    for token_id in added:
+        if token_id not in used:
+            return token_id
+    raise ValueError("the target's tokenizer has no added token that its chat template does not use; set "
+                     "draft.mask_token_id to a token id the data never holds")
+
+
+def check_mask_token(token_id: int, tokenizer, samples: Iterable) -> None:
+    """ValueError naming the reason when `token_id` is written by the chat template or held by a sample."""
+    if token_id in template_ids(tokenizer):
+        raise ValueError(f"draft.mask_token_id={token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r}) is a token "
+                         "the chat template or the tokenizer's bos/eos/pad writes; choose another id, or -1 to "
+                         "choose automatically")
+    for i, sample in enumerate(samples):
+        if np.any(np.asarray(sample.input_ids) == token_id):
+            raise ValueError(f"draft.mask_token_id={token_id} occurs in training sample {i}: the mask slot would "
+                             "look like a real token; choose another id, or -1 to choose automatically")
