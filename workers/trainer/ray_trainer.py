@@ -29,6 +29,7 @@ from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
 from workers.trainer.engines import resumed_engine
 from workers.trainer.loop import MicroBatch, all_gather, barrier, fit
+from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
@@ -154,5 +155,7 @@ def _export(engine: Any, cfg: RunConfig, rank: int) -> None:
         if rank == 0:
             state = {k: v.float() for k, v in draft.state_dict().items()}
             out = export_draft(state, export_meta(cfg), os.path.join(cfg.checkpoint.run_dir, "export"))
-            get_logger("dspark.trainer", rank).info("exported the draft to %s", out)
+            log = get_logger("dspark.trainer", rank)
+            log.info("exported the draft to %s", out)
+            export_for_engines(out, cfg, log)
     barrier()

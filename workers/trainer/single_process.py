@@ -32,6 +32,7 @@ from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.engines import TorchEngine
 from workers.trainer.loop import MicroBatch, fit, resume
+from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
     compile_draft,
@@ -136,4 +137,5 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     state = {k: v.detach().float().cpu() for k, v in module.draft.state_dict().items()}
     out = export_draft(state, export_meta(cfg), run_dir / "export")
     log.info("exported the draft to %s (%.0f s)", out, time.time() - t_start)
+    export_for_engines(out, cfg, log)
     return Path(out)

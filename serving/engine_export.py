@@ -1,0 +1,233 @@
+"""A trained draft in the formats serving engines load: plain JSON + safetensors, no engine imported.
+
+Two formats, the same tensors under the engines' names (docs/serving-export.md):
+- "deepspec": the flat Qwen3 DSpark schema of DeepSpec's and z-lab's drafts (`Qwen3DSparkModel`), read by vLLM's
+  and SGLang's DSpark loaders and by llama.cpp's converter (`convert_hf_to_gguf.py`, class DSparkModel).
+  `target_layer_ids` count decoder-layer outputs (our hidden-state index − 1).
+- "speculators": vLLM's speculators schema (`speculators_model_type: dspark`, a Qwen3 `transformer_layer_config`,
+  `aux_hidden_state_layer_ids` = our hidden-state indices).
+
+Both carry what the common serving mistakes get wrong: the block layout (`sample_from_anchor: true`: slot k
+predicts the token after anchor + k), in-block bidirectional attention (`is_causal: false`,
+`sliding_window_non_causal: true`), an explicit RoPE theta, the mask token id. Beside them,
+`sts_calibration.json`: the STS temperatures in the form SGLang (`--speculative-dspark-confidence-sts-path`) and
+TensorRT-LLM (`confidence_calibration_path`) read.
+
+What no engine can serve is refused with the reason and the preset that can (`NotServable`): MoE FFN and mHC
+(only DeepSeek-V4's own drafter block exists in engines), a draft without per-head q/k norm or with a learned
+mask vector, the final post-norm state (-1) as context, the RNN head in the deepspec schema (vanilla Markov
+only), a confidence head without a Markov head in the deepspec schema (llama.cpp cannot load it), and the
+non-DSpark baselines. Every mapping is a copy or a transpose (W2), or a concatenation (the RNN head's three
+projections into `joint_proj`); nothing is approximated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draft_model.config import FINAL_HIDDEN, DraftConfig
+from pipeline.config import config_from_dict
+
+FORMATS = ("deepspec", "speculators")
+STS_FILE = "sts_calibration.json"
+SERVABLE_PRESETS = "dspark-markov (Markov head + confidence) or dflash (no sequential head)"
+
+
+class NotServable(ValueError):
+    """The draft cannot be written in the asked format faithfully; the message says why and what can."""
+
+
+def check_servable(cfg: DraftConfig, fmt: str, drop_confidence: bool = False) -> None:
+    """NotServable naming the first reason `cfg` cannot be exported in `fmt` (None when it can)."""
+    if fmt not in FORMATS:
+        raise NotServable(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    why = None
+    if cfg.arch != "dspark":
+        why = (f"draft.arch={cfg.arch!r} is a baseline with no DSpark engine format; engines serve arch 'dspark' "
+               f"drafts")
+    elif cfg.ffn != "dense" or cfg.residual != "plain":
+        why = (f"draft.ffn={cfg.ffn!r}, draft.residual={cfg.residual!r}: engines implement a dense Qwen3 layer with a "
+               "plain residual; MoE and mHC exist only inside DeepSeek-V4's own drafter block")
+    elif not cfg.qk_norm:
+        why = ("draft.qk_norm=false: every engine's DSpark layer applies a per-head q/k RMSNorm, which is nonlinear, "
+               "so no export of a draft trained without it is faithful; retrain with draft.qk_norm=true")
+    elif cfg.mask != "token":
+        why = ("draft.mask=learned: the engines fill mask slots with the target embedding row of mask_token_id; "
+               "retrain with draft.mask=token")
+    elif FINAL_HIDDEN in cfg.target_layers:
+        why = ("draft.target_layers holds -1, the target's final post-norm state, which engines do not hand to a "
+               "draft (LLaMA/Qwen3 graphs expose decoder-layer inputs only); train on layers 0..L-1")
+    elif fmt == "deepspec" and cfg.head == "rnn":
+        why = ("draft.head=rnn: the deepspec schema's engines (vLLM, llama.cpp) run only the vanilla Markov head; "
+               "use --format speculators, or draft.head=markov")
+    elif fmt == "deepspec" and cfg.confidence and cfg.head == "none" and not drop_confidence:
+        why = ("draft.confidence=true with draft.head=none: llama.cpp loads a confidence head only beside a Markov "
+               "head; pass --drop-confidence to export without it, or use draft.head=markov")
+    elif cfg.head == "rnn" and cfg.rnn_state_size != cfg.head_rank:
+        why = (f"draft.rnn_state_size={cfg.rnn_state_size} != draft.head_rank={cfg.head_rank}: speculators' RNN head "
+               "ties its state size to the rank")
+    if why:
+        raise NotServable(f"cannot export this draft as {fmt}: {why} (servable presets: {SERVABLE_PRESETS})")
+
+
+def engine_tensors(state: dict[str, torch.Tensor], cfg: DraftConfig, drop_confidence: bool = False
+                   ) -> dict[str, torch.Tensor]:
+    """Our state dict under the engines' tensor names (both formats use the same names)."""
+    out: dict[str, torch.Tensor] = {"fc.weight": state["backbone.ctx_proj.weight"],
+                                    "hidden_norm.weight": state["backbone.ctx_norm.weight"],
+                                    "norm.weight": state["backbone.final_norm.weight"]}
+    ours_to_theirs = {"attn_norm.weight": "input_layernorm.weight",
+                      "ffn_norm.weight": "post_attention_layernorm.weight",
+                      **{f"attn.{p}.weight": f"self_attn.{p}.weight"
+                         for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
+                      **{f"ffn.{p}.weight": f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}}
+    for i in range(cfg.num_layers):
+        for ours, theirs in ours_to_theirs.items():
+            out[f"layers.{i}.{theirs}"] = state[f"backbone.layers.{i}.{ours}"]
+    if cfg.head != "none":
+        out["markov_head.markov_w1.weight"] = state["head.w1.weight"]
+        out["markov_head.markov_w2.weight"] = state["head.w2_RV"].t()  # [V, r]: a Linear(r -> V) weight
+    if cfg.head == "rnn":  # z = [s; W1[x]; h] in both; one joint projection split (gate, cand, out)
+        for p in ("weight", "bias"):
+            out[f"markov_head.joint_proj.{p}"] = torch.cat([state[f"head.w_{n}.{p}"] for n in ("gate", "cand", "out")])
+    if cfg.confidence and not drop_confidence:
+        out["confidence_head.proj.weight"] = state["conf_proj.weight"]
+        out["confidence_head.proj.bias"] = state["conf_proj.bias"]
+    return {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in out.items()}
+
+
+def _qwen3_fields(cfg: DraftConfig, max_positions: int) -> dict[str, Any]:
+    layer = {"model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+             "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
+             "intermediate_size": cfg.resolved_intermediate_size, "hidden_act": "silu",
+             "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": False, "max_position_embeddings": max_positions,
+             # explicit: vLLM assumes 1e6 when it is missing
+             "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+             "tie_word_embeddings": False}
+    if cfg.sliding_window:
+        # ours: every slot of a block sees the W context tokens before its anchor (and its block, bidirectional)
+        layer.update(use_sliding_window=True, sliding_window=cfg.sliding_window,
+                     layer_types=["sliding_attention"] * cfg.num_layers)
+    return layer
+
+
+def _dspark_fields(cfg: DraftConfig, drop_confidence: bool) -> dict[str, Any]:
+    confidence = cfg.confidence and not drop_confidence
+    return {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "sample_from_anchor": True,
+            "markov_rank": cfg.head_rank if cfg.head != "none" else 0,
+            "markov_head_type": "rnn" if cfg.head == "rnn" else "vanilla",
+            "enable_confidence_head": confidence, "confidence_head_with_markov": confidence and cfg.head != "none"}
+
+
+def engine_config(cfg: DraftConfig, fmt: str, target: dict[str, Any], drop_confidence: bool = False
+                  ) -> dict[str, Any]:
+    """config.json of the engine export. `target`: the target's config.json (num_hidden_layers,
+    max_position_embeddings, architectures) plus "name_or_path"."""
+    max_positions = int(target.get("max_position_embeddings") or 8192)
+    dspark = _dspark_fields(cfg, drop_confidence)
+    if fmt == "deepspec":
+        layer_ids = [i - 1 for i in cfg.target_layers]  # decoder-layer outputs: hidden state i = output of i - 1
+        return {"architectures": ["Qwen3DSparkModel"], **_qwen3_fields(cfg, max_positions), **dspark,
+                "is_causal": False, "dspark_bonus_anchor": False, "target_layer_ids": layer_ids,
+                "num_target_layers": int(target["num_hidden_layers"]), "torch_dtype": "float32",
+                "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": cfg.mask_token_id,
+                                  "block_size": cfg.block_size}}
+    return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+            "transformer_layer_config": _qwen3_fields(cfg, max_positions), "draft_vocab_size": cfg.vocab_size,
+            "aux_hidden_state_layer_ids": list(cfg.target_layers), "sliding_window_non_causal": True, **dspark,
+            "speculators_config": {
+                "algorithm": "dspark", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
+                "verifier": {"name_or_path": str(target.get("name_or_path")),
+                             "architectures": list(target.get("architectures") or [])}}}
+
+
+def sts_calibration(temperatures: list[float], meta: dict[str, Any]) -> dict[str, Any]:
+    """The STS file SGLang and TensorRT-LLM read: per-position temperatures under both names they use."""
+    def mean(x: Any) -> float | None:
+        vals = [float(v) for v in (x if isinstance(x, list) else [x]) if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    return {"temperatures": list(temperatures), "sts_temperatures": list(temperatures),
+            "dataset": ",".join(map(str, meta.get("prompt_sets") or [])) or None,
+            "num_samples": meta.get("fit_rounds"), "ece_before": mean(meta.get("held_out_ece_before")),
+            "ece_after": mean(meta.get("held_out_ece_after"))}
+
+
+def read_export(export_dir: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(draft config, state dict, config.json) of our own export (pipeline/export.py)."""
+    from safetensors.torch import load_file
+
+    d = Path(export_dir)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{d} is not an exported draft (needs config.json and model.safetensors)")
+    meta = json.loads((d / "config.json").read_text())
+    if "draft" not in meta:
+        raise ValueError(f"{d}/config.json has no 'draft' section: not a dspark-train export")
+    return config_from_dict({"draft": meta["draft"]}).draft, load_file(str(d / "model.safetensors")), meta
+
+
+def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, target: dict[str, Any],
+                        drop_confidence: bool = False) -> Path:
+    """Write `export_dir` (our format) as `fmt` into `out_dir` (replaced atomically): config.json,
+    model.safetensors and, when the export was calibrated, sts_calibration.json."""
+    from safetensors.torch import save_file
+
+    from serving.calibration import load_calibration
+
+    cfg, state, _ = read_export(export_dir)
+    check_servable(cfg, fmt, drop_confidence)
+    if cfg.mask_token_id < 0 or not cfg.vocab_size:
+        raise NotServable(f"{export_dir}: the draft config was never resolved against a target (mask_token_id "
+                          f"{cfg.mask_token_id}, vocab_size {cfg.vocab_size})")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(engine_tensors(state, cfg, drop_confidence), str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(engine_config(cfg, fmt, target, drop_confidence), indent=2) + "\n")
+    calibration = Path(export_dir) / "calibration.json"
+    if calibration.is_file() and cfg.confidence and not drop_confidence:
+        temps, meta = load_calibration(calibration)
+        (tmp / STS_FILE).write_text(json.dumps(sts_calibration(temps.tolist(), meta), indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def target_facts(target_dir: str | Path, name_or_path: str | None = None) -> dict[str, Any]:
+    """What the engine config needs from a target model directory's config.json."""
+    p = Path(target_dir) / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"target {target_dir} has no config.json (a model directory is needed to export)")
+    tc = json.loads(p.read_text())
+    tc = {**tc, **tc.get("text_config", {})}
+    return {"num_hidden_layers": tc["num_hidden_layers"], "max_position_embeddings": tc.get("max_position_embeddings"),
+            "architectures": tc.get("architectures") or [], "name_or_path": name_or_path or str(target_dir)}
+
+
+def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str | Path | None, target_name: str,
+                    log) -> dict[str, Path]:
+    """The end of a run: `<run_dir>/export-<format>` for every format the draft can be served in; one log line per
+    format saying where it went or why not (nothing raised: our own export is already written)."""
+    written: dict[str, Path] = {}
+    try:
+        facts = target_facts(target_dir, target_name) if target_dir is not None else None
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        log.info("engine export skipped: %s (launch/export_draft.py can write it later)", e)
+        return written
+    for fmt in FORMATS:
+        try:
+            written[fmt] = write_engine_export(export_dir, fmt, Path(run_dir) / f"export-{fmt}", facts or {})
+            log.info("exported the draft for serving engines (%s format) to %s", fmt, written[fmt])
+        except NotServable as e:
+            log.info("no %s export: %s", fmt, str(e).split(": ", 1)[-1])
+    return written

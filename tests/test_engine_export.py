@@ -1,0 +1,256 @@
+"""The engine exports (serving/engine_export.py): tensor names and config fields as the engines read them, every
+refusal, the CLI's exit status, the STS file, and llama.cpp's own converter reading a deepspec export back
+(block size, target layers, mask token id, sample-from-anchor, confidence head), plus the mask token chosen at
+launch (pipeline/mask_token.py).
+
+The converter test needs llama.cpp's source tree (`python bench/llamacpp.py fetch`, which .ci/run does); where
+DSPARK_LLAMA_CPP is set the tree must be there, elsewhere its absence skips that one test.
+Run: python -m pytest tests/test_engine_export.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import llamacpp
+import numpy as np
+import pytest
+import torch
+from draft_fixtures import MASK_ID, frozen_weights, tiny
+
+from draft_model.presets import draft_preset
+from draft_model.registry import build_draft
+from pipeline.export import export_draft
+from serving.calibration import save_calibration
+from serving.engine_export import (
+    NotServable,
+    check_servable,
+    engine_config,
+    engine_tensors,
+    write_engine_export,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = {"num_hidden_layers": 30, "max_position_embeddings": 8192, "architectures": ["LlamaForCausalLM"],
+          "name_or_path": "smollm2"}
+
+
+def _draft(preset: str = "dspark-markov", **overrides):
+    torch.manual_seed(0)
+    cfg = tiny(draft_preset(preset), target_layers=[2, 15, 27], **overrides)
+    return build_draft(cfg, *frozen_weights())
+
+
+def _export(tmp_path: Path, model, name: str = "ours") -> Path:
+    return export_draft(model.state_dict(), {"draft": model.cfg.to_dict(), "target": "smollm2"}, tmp_path / name)
+
+
+def test_tensors_are_the_draft_under_engine_names():
+    model = _draft()
+    state = model.state_dict()
+    out = engine_tensors(state, model.cfg)
+    L = model.cfg.num_layers
+    per_layer = {"input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"}
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias",
+            *(f"layers.{i}.{n}.weight" for i in range(L) for n in per_layer)}
+    assert set(out) == want
+    # every trained tensor is shipped once, nothing else (the mask slot is the target's row: nothing to ship)
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in state.values())
+    torch.testing.assert_close(out["markov_head.markov_w2.weight"], state["head.w2_RV"].t())
+    torch.testing.assert_close(out["layers.0.self_attn.q_norm.weight"], state["backbone.layers.0.attn.q_norm.weight"])
+    torch.testing.assert_close(out["fc.weight"], state["backbone.ctx_proj.weight"])
+
+
+def test_rnn_head_is_one_joint_projection_in_gate_cand_out_order():
+    model = _draft("dspark-rnn", rnn_state_size=16, head_rank=16)
+    state, out = model.state_dict(), engine_tensors(model.state_dict(), model.cfg)
+    joint = out["markov_head.joint_proj.weight"]
+    assert joint.shape == (3 * 16, 16 + 16 + model.cfg.hidden_size)
+    torch.testing.assert_close(joint[16:32], state["head.w_cand.weight"])
+    torch.testing.assert_close(out["markov_head.joint_proj.bias"][32:], state["head.w_out.bias"])
+
+
+def test_deepspec_config_carries_the_conventions_engines_get_wrong():
+    cfg = _draft(sliding_window=6).cfg
+    c = engine_config(cfg, "deepspec", TARGET)
+    assert c["architectures"] == ["Qwen3DSparkModel"]
+    assert c["target_layer_ids"] == c["dflash_config"]["target_layer_ids"] == [1, 14, 26]  # decoder outputs
+    assert c["sample_from_anchor"] is True and c["is_causal"] is False and c["dspark_bonus_anchor"] is False
+    assert c["rope_theta"] == cfg.rope_theta == c["rope_parameters"]["rope_theta"]
+    assert c["mask_token_id"] == c["dflash_config"]["mask_token_id"] == MASK_ID
+    assert c["block_size"] == cfg.block_size and c["markov_rank"] == cfg.head_rank
+    assert c["markov_head_type"] == "vanilla" and c["enable_confidence_head"] and c["confidence_head_with_markov"]
+    assert c["use_sliding_window"] and c["sliding_window"] == 6 and c["layer_types"] == ["sliding_attention"] * 2
+    assert c["num_hidden_layers"] == cfg.num_layers and c["head_dim"] == cfg.resolved_head_dim
+    assert "use_sliding_window" not in engine_config(_draft().cfg, "deepspec", TARGET)
+
+
+def test_speculators_config_uses_hidden_state_indices_and_names_the_verifier():
+    cfg = _draft().cfg
+    c = engine_config(cfg, "speculators", TARGET)
+    assert c["speculators_model_type"] == "dspark" and c["aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert c["sample_from_anchor"] is True and c["sliding_window_non_causal"] is True
+    assert c["transformer_layer_config"]["num_attention_heads"] == cfg.num_heads
+    assert c["speculators_config"]["verifier"] == {"name_or_path": "smollm2", "architectures": ["LlamaForCausalLM"]}
+    assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.block_size
+
+
+REFUSALS = {
+    "moe": (dict(ffn="moe"), "deepspec", "MoE and mHC"),
+    "mhc": (dict(residual="mhc"), "speculators", "MoE and mHC"),
+    "no-qk-norm": (dict(qk_norm=False), "speculators", "q/k RMSNorm"),
+    "learned-mask": (dict(mask="learned"), "deepspec", "mask_token_id"),
+    "final-state": (dict(target_layers=[-1]), "speculators", "final post-norm state"),
+    "rnn-deepspec": (dict(head="rnn", rnn_state_size=16), "deepspec", "vanilla Markov head"),
+    "confidence-without-markov": (dict(head="none"), "deepspec", "--drop-confidence"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_what_no_engine_serves_is_refused_with_the_reason_and_the_preset_that_can(case):
+    overrides, fmt, reason = REFUSALS[case]
+    cfg = replace(tiny(draft_preset("dspark-markov"), target_layers=[2, 15, 27]), **overrides)
+    with pytest.raises(NotServable, match="cannot export") as e:
+        check_servable(cfg, fmt)
+    assert reason in str(e.value) and "dspark-markov" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_baselines_are_refused_and_the_allowed_forms_pass():
+    with pytest.raises(NotServable, match="baseline"):
+        check_servable(tiny(draft_preset("eagle3")), "speculators")
+    layers = [2, 15, 27]
+    check_servable(tiny(draft_preset("dflash"), target_layers=layers), "deepspec", drop_confidence=True)
+    check_servable(tiny(draft_preset("dflash"), target_layers=layers), "speculators")
+    check_servable(tiny(draft_preset("dspark-rnn"), rnn_state_size=16, target_layers=layers), "speculators")
+
+
+def test_export_writes_config_tensors_and_sts_file(tmp_path):
+    src = _export(tmp_path, _draft())
+    save_calibration(src / "calibration.json", [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2],
+                     {"prompt_sets": ["gsm8k", "mtbench"], "fit_rounds": 120, "held_out_ece_before": [0.2, 0.4],
+                      "held_out_ece_after": [0.1, 0.1]})
+    out = write_engine_export(src, "deepspec", tmp_path / "ds", TARGET)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "sts_calibration.json"]
+    sts = json.loads((out / "sts_calibration.json").read_text())
+    assert sts["temperatures"] == sts["sts_temperatures"] == [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2]
+    assert sts["dataset"] == "gsm8k,mtbench" and sts["num_samples"] == 120
+    assert sts["ece_before"] == pytest.approx(0.3) and sts["ece_after"] == pytest.approx(0.1)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "launch" / "export_draft.py"), *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+
+
+def test_cli_refuses_an_unservable_draft_and_a_missing_export_with_exit_2(tmp_path):
+    src = _export(tmp_path, _draft("v4", num_layers=1))
+    res = _cli(str(src), "--format", "deepspec", "--out", str(tmp_path / "x"))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and "MoE and mHC" in res.stderr and not (tmp_path / "x").exists()
+    res = _cli(str(tmp_path / "nope"), "--format", "speculators", "--out", str(tmp_path / "y"))
+    assert res.returncode == 2 and "neither an exported draft nor a run directory" in res.stderr
+
+
+def _llama_cpp_tree() -> Path:
+    if not (llamacpp.tree() / "convert_hf_to_gguf.py").is_file():
+        if os.environ.get("DSPARK_LLAMA_CPP"):
+            pytest.fail(f"DSPARK_LLAMA_CPP is set but {llamacpp.tree()} holds no llama.cpp tree")
+        pytest.skip("llama.cpp source tree not fetched (python bench/llamacpp.py fetch)")
+    return llamacpp.tree()
+
+
+def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path):
+    """A tiny servable draft on SmolLM2's shape, through llama.cpp's own convert_hf_to_gguf.py: the GGUF says what
+    the draft is (no C++ build needed)."""
+    _llama_cpp_tree()
+    from workers.target.model import resolve_target_path
+
+    target_dir = resolve_target_path("smollm2")
+    tc = json.loads((target_dir / "config.json").read_text())
+    V, D = tc["vocab_size"], tc["hidden_size"]
+    cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                  intermediate_size=64, head_rank=8, block_size=5, target_layers=[2, 15, 27], mask_token_id=3)
+    torch.manual_seed(0)
+    embed = torch.randn(V, D) * 0.02
+    model = build_draft(cfg, embed, embed)
+    src = export_draft(model.state_dict(), {"draft": model.cfg.to_dict(), "target": "smollm2"}, tmp_path / "ours")
+    out = _cli(str(src), "--format", "deepspec", "--out", str(tmp_path / "ds"))
+    assert out.returncode == 0, out.stderr
+    gguf = llamacpp.convert(tmp_path / "ds", tmp_path / "draft.gguf", target_dir)
+    meta = llamacpp.gguf_metadata(gguf)
+    kv, tensors = meta["kv"], meta["tensors"]
+    assert kv["general.architecture"] == "dflash"
+    assert kv["dflash.block_size"] == 5
+    assert kv["dflash.target_layers"] == [2, 15, 27]  # llama.cpp's index = our hidden-state index
+    assert kv["tokenizer.ggml.mask_token_id"] == 3
+    assert kv["dflash.sample_from_anchor"] is True and kv["dflash.has_confidence_head"] is True
+    assert kv["dflash.attention.causal"] is False and kv["dflash.rope.freq_base"] == 10000.0
+    assert kv["dflash.attention.key_length"] == 32 and kv["dflash.block_count"] == 1
+    assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight", "markov_w1.weight", "markov_w2.weight",
+            "conf_proj.weight", "conf_proj.bias", "fc.weight"} <= set(tensors)
+
+
+# ---- the mask token chosen at launch ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from workers.target.model import load_tokenizer, resolve_target_path
+
+    return load_tokenizer(resolve_target_path("smollm2"))
+
+
+def test_mask_token_is_a_special_token_the_template_never_writes(smollm2_tokenizer):
+    from pipeline.mask_token import choose_mask_token, template_ids
+
+    tok = smollm2_tokenizer
+    used = template_ids(tok)
+    assert {tok.eos_token_id, tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")} <= used
+    chosen = choose_mask_token(tok)
+    assert chosen == 3 and chosen not in used and chosen in tok.added_tokens_decoder
+
+
+def test_launch_chooses_and_checks_the_mask_token(smollm2_tokenizer):
+    from pipeline.config import RunConfig
+    from pipeline.errors import InputError
+    from workers.inputs import resolve_mask_token
+
+    class Sample:
+        def __init__(self, ids):
+            self.input_ids = np.asarray(ids)
+
+    cfg = RunConfig()
+    cfg.draft = replace(draft_preset("dspark-markov"))
+    resolve_mask_token(cfg, smollm2_tokenizer, [Sample([5, 6, 7])], logging.getLogger("t"))
+    assert cfg.draft.mask_token_id == 3
+    with pytest.raises(InputError, match=r"draft.mask_token_id=3 occurs in training sample 1"):
+        resolve_mask_token(cfg, smollm2_tokenizer, [Sample([5]), Sample([9, 3])], logging.getLogger("t"))
+    cfg.draft.mask_token_id = smollm2_tokenizer.eos_token_id
+    with pytest.raises(InputError, match="chat template"):
+        resolve_mask_token(cfg, smollm2_tokenizer, [Sample([5])], logging.getLogger("t"))
+
+
+def test_end_of_run_writes_every_servable_format_and_says_why_not(tmp_path, caplog):
+    from serving.engine_export import export_servable
+
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps(TARGET))
+    log = logging.getLogger("t.export")
+    with caplog.at_level(logging.INFO, logger="t.export"):
+        written = export_servable(_export(tmp_path, _draft()), tmp_path / "run", target_dir, "smollm2", log)
+    assert sorted(written) == ["deepspec", "speculators"]
+    assert (tmp_path / "run" / "export-deepspec" / "config.json").is_file()
+    with caplog.at_level(logging.INFO, logger="t.export"):
+        written = export_servable(_export(tmp_path, _draft("v4", num_layers=1), "v4"), tmp_path / "run-v4",
+                                  target_dir, "smollm2", log)
+    assert written == {} and "no deepspec export: draft.ffn='moe'" in caplog.text
