@@ -8,9 +8,10 @@ real target (SmolLM2-135M-Instruct).
 3. real speculative decoding (evaluation/) on held-out HumanEval, GSM8K and MT-Bench prompts at
    temperature 1.0 and greedy, and the target alone on the same prompts in turn (the autoregressive baseline);
    report (JSON, markdown, PNG) under <work-dir>/eval/.
-Besides the equal-depth drafters, two DSpark variants:
+Besides the equal-depth drafters, three DSpark variants:
 - dspark-lat, the paper's setting: as deep as costs Eagle3's drafting time per round at γ = 7 on this machine
   (stage_latency times both as the evaluator does, <work-dir>/latency.json);
+- dspark-legacy: dspark without the engines' forms (no q/k norm, a learned mask vector), at the same budget;
 - dspark-real: trained on real text (the embedded stdlib corpus, one pass of fresh rows) instead of the target's
   regenerated replies, to weigh what the data stage's CPU time buys (the cost table: τ per CPU-hour).
 Printed: τ per dataset, end-to-end decoding speed-up over the target alone (wall time of whole decodes: target
@@ -79,6 +80,10 @@ DRAFTERS = {
     # no data stage at all; the L1 and confidence terms still get the target's own p_t, every row fresh
     "dspark-real": ["draft.preset=dspark-markov", "draft.target_layers=[1,27]", "draft.head_rank=128",
                     "data.source=default"],
+    # DSpark in the forms the servable presets replaced (no per-head q/k norm, a learned mask vector): what the
+    # engines' forms cost or buy at equal budget (docs/serving.md, "Engine exports")
+    "dspark-legacy": ["draft.preset=dspark-markov", "draft.target_layers=[1,27]", "draft.head_rank=128",
+                      "draft.qk_norm=false", "draft.mask=learned"],
 }
 LATENCY_DEPTHS = range(1, 13)  # DSpark depths timed against Eagle3 for dspark-lat
 

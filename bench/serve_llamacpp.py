@@ -1,0 +1,294 @@
+"""Serve our own draft in a real engine: llama.cpp b11434 (CPU), against our evaluator, round by round.
+
+    python bench/serve_llamacpp.py [--steps 200] [--per-set 2] [--max-new-tokens 64] [--export DIR]
+                                   [--legacy-export DIR] [--quick]
+
+1. Trains a servable draft for SmolLM2-135M (launch/configs/servable.yaml, single process) and, at the same budget,
+   the same draft in the forms engines do not implement (draft.qk_norm=false, draft.mask=learned); both reused
+   when their run dirs already hold an export. Writes the deepspec engine export (launch/export_draft.py's writer)
+   and converts it and the target with llama.cpp's own converter: the target as an f32 GGUF of the very
+   safetensors our evaluator runs, so both follow the same greedy path.
+2. Decodes the same held-out prompts (HumanEval, GSM8K, MT-Bench) in `llama-speculative-simple` (-v: one
+   `accepted k/n draft tokens` line per round) and in our evaluator (evaluation/session.generate), at T = 0 and
+   T = 1. At T = 1 both use llama.cpp's rule: the draft's argmax is accepted while the target's own sample equals it
+   (our evaluator: a one-hot draft through rejection sampling, the same law). τ = 1 + accepted / rounds.
+3. Faithfulness per round at T = 0: F = the share of rounds (full-γ drafts on the common path) whose accepted count
+   is the same in both. Three unfaithful exports must be caught (F < 0.95): the legacy draft shipped with q/k norm
+   weights of ones (engines apply a q/k norm it never had) and its learned mask through mask_embedding.pt, and the
+   servable export with its target layer ids off by one or with sample_from_anchor false.
+4. Speed: `llama-server` with and without the draft on the same prompts (timings.predicted_per_second).
+
+Needs the llama.cpp build (python bench/llamacpp.py build). Last line:
+serve engine=llama.cpp tau_engine_T0=A tau_ours_T0=B agreement_T0=A/B rounds_equal_T0=F controls_caught=K controls=N
+tau_engine_T1=C tau_ours_T1=D agreement_T1=C/D speedup_T0=S0 speedup_T1=S1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import llamacpp
+
+REPO = Path(__file__).resolve().parents[1]
+ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+SETS = ["humaneval", "gsm8k", "mtbench"]
+F_CAUGHT = 0.95  # a control is caught when fewer rounds than this agree
+
+
+def log(msg: str) -> None:
+    print(f"[serve] {msg}", flush=True)
+
+
+# the forms the servable presets replaced: what engines cannot load faithfully (the first control)
+LEGACY = ["draft.qk_norm=false", "draft.mask=learned"]
+
+
+def train(run_dir: Path, steps: int, overrides: list[str]) -> Path:
+    if (run_dir / "export" / "model.safetensors").is_file():
+        log(f"reusing the draft in {run_dir / 'export'}")
+        return run_dir / "export"
+    log(f"training a draft ({steps} steps, single process, {overrides or 'servable'}) into {run_dir}")
+    subprocess.run([sys.executable, str(REPO / "launch" / "train_v4_draft.py"), "--preset", "servable",
+                    "--single-process", "--run-dir", str(run_dir), "--max-steps", str(steps), *overrides],
+                   check=True)
+    return run_dir / "export"
+
+
+def unfaithful_export(legacy: Path, out: Path, facts: dict, mask_token_id: int) -> Path:
+    """A draft trained without q/k norm, written as if it had one (norm weights of ones, which the engine applies and
+    the draft never had) and its learned mask through llama.cpp's mask_embedding.pt route: what an exporter that
+    ignores the q/k norm would ship. The engine decodes with it; only a round-by-round comparison can tell."""
+    from dataclasses import replace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from serving.engine_export import engine_config, engine_tensors, read_export
+
+    cfg, state, _ = read_export(legacy)
+    as_if = replace(cfg, qk_norm=True, mask="token", mask_token_id=mask_token_id)
+    state = dict(state)
+    mask_D = state.pop("backbone.mask_embed_D")
+    for i in range(cfg.num_layers):
+        for n in ("q_norm", "k_norm"):
+            state[f"backbone.layers.{i}.attn.{n}.weight"] = torch.ones(cfg.resolved_head_dim)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    save_file(engine_tensors(state, as_if), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(engine_config(as_if, "deepspec", facts), indent=2))
+    torch.save({"mask_token_id": mask_token_id, "embedding": mask_D.float()}, out / "mask_embedding.pt")
+    return out
+
+
+def prompts(per_set: int, tokenizer) -> list[tuple[str, str, list[int]]]:
+    """(set, rendered text, token ids) of the held-out prompts, rendered with the chat template."""
+    from evaluation.evaluate import encode_prompt
+    from evaluation.prompts import resolve_prompt_sets
+
+    out = []
+    for ds, items in resolve_prompt_sets(SETS, per_set).items():
+        for p in items:
+            text = (tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                    if isinstance(p, list) else p)
+            out.append((ds, text, encode_prompt(tokenizer, p)))
+    return out
+
+
+class ArgmaxDraft:
+    """llama.cpp's drafting at any temperature: the draft's argmax (one-hot), verified against the target's own
+    sample by rejection sampling (acceptance = the target's probability of the token, as in llama.cpp)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.block_size = inner, inner.name, inner.block_size
+        self.target_layers = inner.target_layers
+
+    def propose(self, ctx, anchor_token, temperature, generator):
+        return self.inner.propose(ctx, anchor_token, 0.0, generator)
+
+
+def ours(export: Path, items, temperature: float, max_new: int) -> list[list[int]]:
+    """Accepted count of every round, per prompt, from our evaluator."""
+    import torch
+
+    from evaluation.drafters import load_drafter
+    from evaluation.session import RoundLog, generate
+    from workers.target.model import load_target, resolve_target_path
+
+    target, tok = load_target(resolve_target_path("smollm2"), dtype=torch.float32)
+    drafter = ArgmaxDraft(load_drafter(export, target, calibrated=False))
+    eos = {tok.eos_token_id}
+    out = []
+    for i, (_, _, ids) in enumerate(items):
+        rounds = RoundLog()
+        generate(target, drafter, ids, temperature, max_new, torch.Generator().manual_seed(i), eos, rounds, i)
+        out.append(list(rounds.num_accepted_R))
+    return out
+
+
+def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
+                  threads: int) -> list[list[tuple[int, int]]]:
+    """(accepted, drafted) of every round, per prompt, from llama-speculative-simple -v."""
+    out = []
+    for i, (_, text, _) in enumerate(items):
+        res = subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
+                              str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
+                              "--temp", str(temperature), "--seed", str(i), "-n", str(max_new), "-t", str(threads),
+                              "-c", "4096", "-v", "-p", text], capture_output=True, text=True, timeout=900)
+        if res.returncode != 0:
+            raise RuntimeError(f"llama-speculative-simple failed:\n{res.stderr[-3000:]}")
+        out.append([(int(a), int(n)) for a, n in ROUND.findall(res.stdout + res.stderr)])
+    return out
+
+
+def compare(eng: list[list[tuple[int, int]]], mine: list[list[int]], gamma: int) -> tuple[float, float, float]:
+    """(τ engine, τ ours, F: share of full-γ engine rounds whose accepted count equals ours, round by round)."""
+    tau_e = 1 + sum(a for p in eng for a, _ in p) / max(1, sum(len(p) for p in eng))
+    tau_o = 1 + sum(sum(p) for p in mine) / max(1, sum(len(p) for p in mine))
+    same = total = 0
+    for e, m in zip(eng, mine, strict=True):
+        for (a, n), b in zip(e, m, strict=False):
+            if n == gamma:
+                total += 1
+                same += a == b
+    return tau_e, tau_o, same / max(1, total)
+
+
+def wrong_conventions(deepspec: Path, work: Path) -> dict[str, Path]:
+    """Two copies of the faithful export with one convention wrong each."""
+    out = {}
+    for name in ("layers_off_by_one", "bonus_anchor"):
+        d = work / f"control-{name}"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(deepspec, d)
+        cfg = json.loads((d / "config.json").read_text())
+        if name == "layers_off_by_one":
+            ids = [i + 1 for i in cfg["target_layer_ids"]]
+            cfg["target_layer_ids"] = cfg["dflash_config"]["target_layer_ids"] = ids
+        else:
+            cfg["sample_from_anchor"] = False
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+        out[name] = d
+    return out
+
+
+def server_speed(target_gguf: Path, draft_gguf: Path | None, items, temperature: float, max_new: int, gamma: int,
+                 threads: int) -> float:
+    """Mean decode tok/s of llama-server over the prompts (with the draft when given)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(llamacpp.binary("llama-server")), "-m", str(target_gguf), "--port", str(port), "-t", str(threads),
+           "-c", "4096", "--metrics", "-np", "1"]
+    if draft_gguf is not None:
+        cmd += ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        speeds = []
+        for i, (_, text, _) in enumerate(items):
+            body = json.dumps({"prompt": text, "n_predict": max_new, "temperature": temperature, "seed": i,
+                               "cache_prompt": False}).encode()
+            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                speeds.append(json.loads(r.read())["timings"]["predicted_per_second"])
+        return sum(speeds) / len(speeds)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", default=str(REPO / "runs" / "serve-llamacpp"))
+    p.add_argument("--export", default=None, help="an exported servable draft (skips training it)")
+    p.add_argument("--legacy-export", default=None,
+                   help="the same draft trained with draft.qk_norm=false draft.mask=learned (skips training it)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--per-set", type=int, default=2, help="held-out prompts per set (HumanEval, GSM8K, MT-Bench)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="1 prompt per set, 32 tokens (a smoke run)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.per_set, args.max_new_tokens = 1, 32
+    for b in ("llama-server", "llama-speculative-simple"):
+        if not llamacpp.binary(b).is_file():
+            sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
+
+    from serving.engine_export import target_facts, write_engine_export
+    from workers.target.model import load_tokenizer, resolve_target_path
+
+    run_dir = Path(args.run_dir)
+    export = Path(args.export) if args.export else train(run_dir / "servable", args.steps, [])
+    legacy = Path(args.legacy_export) if args.legacy_export else train(run_dir / "legacy", args.steps, LEGACY)
+    work = run_dir / "serve"
+    work.mkdir(parents=True, exist_ok=True)
+    target_dir = resolve_target_path("smollm2")
+    facts = target_facts(target_dir, "smollm2")
+    deepspec = write_engine_export(export, "deepspec", work / "deepspec", facts)
+    gamma = json.loads((deepspec / "config.json").read_text())["block_size"]
+    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
+    if not target_gguf.is_file():
+        log("converting the target (f32) with llama.cpp's converter")
+        llamacpp.convert(target_dir, target_gguf)
+    draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
+    items = prompts(args.per_set, load_tokenizer(target_dir))
+    log(f"{len(items)} prompts, {args.max_new_tokens} new tokens, gamma {gamma}")
+
+    res, mine0 = {}, {}
+    for T in (0.0, 1.0):
+        eng = engine_rounds(target_gguf, draft_gguf, items, T, args.max_new_tokens, gamma, args.threads)
+        mine = ours(export, items, T, args.max_new_tokens)
+        res[T] = compare(eng, mine, gamma)
+        log(f"T={T:g}: tau engine {res[T][0]:.3f}, ours {res[T][1]:.3f}, rounds equal {res[T][2]:.3f}")
+        if T == 0.0:
+            mine0["servable"] = mine
+            log(f"  accepted per round, first prompt: engine {[a for a, _ in eng[0]]} ours {mine[0]}")
+        mine_legacy = ours(legacy, items, T, args.max_new_tokens)
+        tau_legacy = compare(eng, mine_legacy, gamma)[1]
+        log(f"T={T:g}: tau ours, same budget: servable forms {res[T][1]:.3f}, legacy forms {tau_legacy:.3f}")
+        if T == 0.0:
+            mine0["legacy"] = mine_legacy
+    caught = 0
+    ctl = {"legacy_qk_norm_ones": (unfaithful_export(legacy, work / "control-legacy_qk_norm_ones", facts,
+                                                     json.loads((deepspec / "config.json").read_text())
+                                                     ["mask_token_id"]), "legacy"),
+           **{name: (d, "servable") for name, d in wrong_conventions(deepspec, work).items()}}
+    for name, (d, reference) in ctl.items():
+        g = llamacpp.convert(d, work / f"{name}.gguf", target_dir)
+        eng = engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma, args.threads)
+        tau_c, _, f_c = compare(eng, mine0[reference], gamma)
+        caught += f_c < F_CAUGHT
+        verdict = "caught" if f_c < F_CAUGHT else "MISSED"
+        log(f"control {name}: tau engine {tau_c:.3f}, rounds equal {f_c:.3f} -> {verdict}")
+    speed = {}
+    for T in (0.0, 1.0):
+        base = server_speed(target_gguf, None, items, T, args.max_new_tokens, gamma, args.threads)
+        spec = server_speed(target_gguf, draft_gguf, items, T, args.max_new_tokens, gamma, args.threads)
+        speed[T] = spec / base
+        log(f"llama-server T={T:g}: {base:.1f} tok/s alone, {spec:.1f} tok/s with the draft")
+    (a0, b0, f0), (a1, b1, _) = res[0.0], res[1.0]
+    print(f"serve engine=llama.cpp tau_engine_T0={a0:.3f} tau_ours_T0={b0:.3f} agreement_T0={a0 / b0:.3f} "
+          f"rounds_equal_T0={f0:.3f} controls_caught={caught} controls={len(ctl)} tau_engine_T1={a1:.3f} "
+          f"tau_ours_T1={b1:.3f} agreement_T1={a1 / b1:.3f} speedup_T0={speed[0.0]:.3f} speedup_T1={speed[1.0]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
