@@ -12,10 +12,11 @@
    `accepted k/n draft tokens` line per round) and in our evaluator (evaluation/session.generate), at T = 0 and
    T = 1. At T = 1 both use llama.cpp's rule: the draft's argmax is accepted while the target's own sample equals it
    (our evaluator: a one-hot draft through rejection sampling, the same law). τ = 1 + accepted / rounds.
-3. Faithfulness per round at T = 0: F = the share of rounds (full-γ drafts on the common path) whose accepted count
-   is the same in both. Three unfaithful exports must be caught (F < 0.95): the legacy draft shipped with q/k norm
-   weights of ones (engines apply a q/k norm it never had) and its learned mask through mask_embedding.pt, and the
-   servable export with its target layer ids off by one or with sample_from_anchor false.
+3. Faithfulness per round at T = 0: F = the share of rounds (full-γ drafts on the common path) whose drafted block
+   (the engine's -v log names every drafted token) and accepted count are the same in both. Three unfaithful
+   exports must be caught (F < 0.95): the legacy draft shipped with q/k norm weights of ones (engines apply a q/k
+   norm it never had) and its learned mask through mask_embedding.pt, and the servable export with its target
+   layer ids off by one or with sample_from_anchor false.
 4. Speed: `llama-server` with and without the draft on the same prompts (timings.predicted_per_second).
 
 Needs the llama.cpp build (python bench/llamacpp.py build). Last line:
@@ -39,7 +40,9 @@ from pathlib import Path
 import llamacpp
 
 REPO = Path(__file__).resolve().parents[1]
-ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+# -v lines of llama-speculative-simple: the drafted token of each slot (candidate 0 is the one drafted), then the
+# round's verdict
+EVENT = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(-?\d+)|accepted (\d+)/(\d+) draft tokens")
 SETS = ["humaneval", "gsm8k", "mtbench"]
 F_CAUGHT = 0.95  # a control is caught when fewer rounds than this agree
 
@@ -105,18 +108,22 @@ def prompts(per_set: int, tokenizer) -> list[tuple[str, str, list[int]]]:
 
 class ArgmaxDraft:
     """llama.cpp's drafting at any temperature: the draft's argmax (one-hot), verified against the target's own
-    sample by rejection sampling (acceptance = the target's probability of the token, as in llama.cpp)."""
+    sample by rejection sampling (acceptance = the target's probability of the token, as in llama.cpp). Records
+    every drafted block."""
 
     def __init__(self, inner):
         self.inner, self.name, self.block_size = inner, inner.name, inner.block_size
         self.target_layers = inner.target_layers
+        self.blocks: list[list[int]] = []
 
     def propose(self, ctx, anchor_token, temperature, generator):
-        return self.inner.propose(ctx, anchor_token, 0.0, generator)
+        prop = self.inner.propose(ctx, anchor_token, 0.0, generator)
+        self.blocks.append(prop.tokens_K.tolist())
+        return prop
 
 
-def ours(export: Path, items, temperature: float, max_new: int) -> list[list[int]]:
-    """Accepted count of every round, per prompt, from our evaluator."""
+def ours(export: Path, items, temperature: float, max_new: int) -> list[list[tuple[int, list[int]]]]:
+    """(accepted count, drafted block) of every round, per prompt, from our evaluator."""
     import torch
 
     from evaluation.drafters import load_drafter
@@ -129,14 +136,27 @@ def ours(export: Path, items, temperature: float, max_new: int) -> list[list[int
     out = []
     for i, (_, _, ids) in enumerate(items):
         rounds = RoundLog()
+        drafter.blocks = []
         generate(target, drafter, ids, temperature, max_new, torch.Generator().manual_seed(i), eos, rounds, i)
-        out.append(list(rounds.num_accepted_R))
+        out.append(list(zip(rounds.num_accepted_R, drafter.blocks, strict=True)))
     return out
 
 
+def parse_rounds(log_text: str) -> list[tuple[int, list[int]]]:
+    """(accepted, drafted block) of every round in a llama-speculative-simple -v log."""
+    rounds, block = [], []
+    for cand, token, accepted, _ in EVENT.findall(log_text):
+        if accepted:
+            rounds.append((int(accepted), block))
+            block = []
+        elif cand == "0":
+            block.append(int(token))
+    return rounds
+
+
 def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
-                  threads: int) -> list[list[tuple[int, int]]]:
-    """(accepted, drafted) of every round, per prompt, from llama-speculative-simple -v."""
+                  threads: int) -> list[list[tuple[int, list[int]]]]:
+    """(accepted, drafted block) of every round, per prompt, from llama-speculative-simple -v."""
     out = []
     for i, (_, text, _) in enumerate(items):
         res = subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
@@ -145,21 +165,27 @@ def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float
                               "-c", "4096", "-v", "-p", text], capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             raise RuntimeError(f"llama-speculative-simple failed:\n{res.stderr[-3000:]}")
-        out.append([(int(a), int(n)) for a, n in ROUND.findall(res.stdout + res.stderr)])
+        out.append(parse_rounds(res.stdout + res.stderr))
     return out
 
 
-def compare(eng: list[list[tuple[int, int]]], mine: list[list[int]], gamma: int) -> tuple[float, float, float]:
-    """(τ engine, τ ours, F: share of full-γ engine rounds whose accepted count equals ours, round by round)."""
-    tau_e = 1 + sum(a for p in eng for a, _ in p) / max(1, sum(len(p) for p in eng))
-    tau_o = 1 + sum(sum(p) for p in mine) / max(1, sum(len(p) for p in mine))
+Rounds = list[list[tuple[int, list[int]]]]
+
+
+def compare(eng: Rounds, mine: Rounds, gamma: int) -> tuple[float, float, float]:
+    """(τ engine, τ ours, F). F: the share of rounds, walked in order along each prompt's common path, whose
+    drafted block and accepted count are the same in both; rounds where the engine drafted fewer than γ tokens
+    (the end of the generation budget) are left out."""
+    def tau(rounds: Rounds) -> float:
+        return 1 + sum(a for p in rounds for a, _ in p) / max(1, sum(len(p) for p in rounds))
+
     same = total = 0
     for e, m in zip(eng, mine, strict=True):
-        for (a, n), b in zip(e, m, strict=False):
-            if n == gamma:
+        for (a, block), (b, ours_block) in zip(e, m, strict=False):
+            if len(block) == gamma:
                 total += 1
-                same += a == b
-    return tau_e, tau_o, same / max(1, total)
+                same += a == b and block == ours_block
+    return tau(eng), tau(mine), same / max(1, total)
 
 
 def wrong_conventions(deepspec: Path, work: Path) -> dict[str, Path]:
@@ -259,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"T={T:g}: tau engine {res[T][0]:.3f}, ours {res[T][1]:.3f}, rounds equal {res[T][2]:.3f}")
         if T == 0.0:
             mine0["servable"] = mine
-            log(f"  accepted per round, first prompt: engine {[a for a, _ in eng[0]]} ours {mine[0]}")
+            log(f"  accepted per round, first prompt: engine {[a for a, _ in eng[0]]} ours {[a for a, _ in mine[0]]}")
+            log(f"  first blocks, first prompt: engine {[b for _, b in eng[0][:3]]} ours {[b for _, b in mine[0][:3]]}")
         mine_legacy = ours(legacy, items, T, args.max_new_tokens)
         tau_legacy = compare(eng, mine_legacy, gamma)[1]
         log(f"T={T:g}: tau ours, same budget: servable forms {res[T][1]:.3f}, legacy forms {tau_legacy:.3f}")
