@@ -163,6 +163,7 @@ def test_bf16_two_to_one_to_two_ranks(tmp_path):
         print(f"bf16 ZeRO-{stage}: worst relative loss difference {worst:.2e}")
 
 
+@pytest.mark.slow
 def test_moe_balance_bias_survives_the_universal_load(tmp_path):
     """With the MoE balance bias on (the default), DeepSpeed's universal load does not restore it (it loads no
     module state dict); workers/trainer/reshard restores it, so the first resumed step starts from the saved bias."""
