@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from pipeline.contracts import TokenizedSample
 from pipeline.data.chat import render_chat
-from pipeline.data.regenerate import Generation, Generator, GenParams, batch_seed
+from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _row_dict(spec: RowSpec, response: str, ids, mask, params: GenParams | None)
             "regenerated": params is not None, "generation": json.dumps(params.to_dict()) if params else None}
 
 
-def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams, generator: Generator,
+def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams, generator: ReplyGenerator,
                 batch_size: int, bad: Counter) -> list[dict]:
     prompts, kept = [], []
     for spec in specs:
@@ -265,7 +265,7 @@ def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokeni
 
 
 def build_shard(records: list[dict], first_index: int, tokenizer, max_len: int, params: GenParams | None = None,
-                generator: Generator | None = None, batch_size: int = 8) -> tuple[pa.Table, Counter]:
+                generator: ReplyGenerator | None = None, batch_size: int = 8) -> tuple[pa.Table, Counter]:
     """Rows of `records` (source indices first_index, ...) as a table in (source_index, turn_index) order, plus
     the counts of what was dropped and why."""
     if (params is None) != (generator is None):
