@@ -22,7 +22,7 @@ from torch import nn
 
 from draft_model import sampling
 from evaluation.drafters import DecodeContext, Drafter
-from workers.target.model import FINAL_HIDDEN, target_dims, validate_layers
+from workers.target.model import FINAL_HIDDEN, layer_features, lm_head_input, target_dims, validate_layers
 
 __all__ = ["RoundLog", "TargetSession", "generate"]
 
@@ -76,28 +76,17 @@ class TargetSession:
 
     @torch.no_grad()
     def _forward(self, ids: list[int], last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `ids` after the cached prefix -> (logits [L or 1, V] fp32, feats_LF)."""
-        captured: dict[str, torch.Tensor] = {}
-
-        def grab_lm_head_input(module: nn.Module, args: tuple):
-            # the exact LM-head input, for any architecture; in a prefill only the last row needs logits
-            captured["final"] = args[0]
-            return ((args[0][:, -1:],) + tuple(args[1:])) if last_only else None
-
+        """Run `ids` after the cached prefix -> (logits [L or 1, V] fp32, feats_LF). In a prefill (`last_only`)
+        only the last row needs logits."""
         want_hs = any(i != FINAL_HIDDEN for i in self.layers)
-        handle = self.model.get_output_embeddings().register_forward_pre_hook(grab_lm_head_input)
-        try:
+        with lm_head_input(self.model, last_only) as captured:
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                              cache=self.cache, use_cache=True, output_hidden_states=want_hs,
                              return_dict=True)
-        finally:
-            handle.remove()
         self.forwards += 1
-        final_LD = captured["final"][0]
-        assert final_LD.shape[0] == len(ids), "the LM-head input is not per token"
-        parts = [final_LD if i == FINAL_HIDDEN else out.hidden_states[i][0].to(final_LD.device) for i in self.layers]
-        feats_LF = torch.cat(parts, dim=-1) if parts else final_LD.new_zeros(len(ids), 0)
-        return out.logits[0].float(), feats_LF
+        final_1LD = captured["final"]
+        assert final_1LD.shape[1] == len(ids), "the LM-head input is not per token"
+        return out.logits[0].float(), layer_features(final_1LD, out.hidden_states, self.layers)[0]
 
     def verify_forward(self, draft_tokens_K: torch.Tensor) -> torch.Tensor:
         """Target forward over [anchor, x_1..x_K] -> logits [K+1, V] for positions p+1..p+K+1."""
