@@ -22,6 +22,7 @@ from torch import nn
 from draft_model.sampling import ACCEPTED, NOT_REACHED
 from evaluation.drafters import Drafter
 from evaluation.session import RoundLog, generate, sync
+from pipeline.data.chat import render_prompt
 from serving.metrics import expected_calibration_error, roc_auc
 
 __all__ = ["encode_prompt", "evaluate", "evaluate_many"]
@@ -36,8 +37,7 @@ def encode_prompt(tokenizer, prompt: str | list[dict] | list[int]) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         if tokenizer is None:
             raise ValueError("chat prompts need a tokenizer with a chat template")
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_prompt(tokenizer, prompt)
     if isinstance(prompt, list | tuple) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     raise ValueError("a prompt must be a string, a non-empty list of chat messages or of token ids; "

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.contracts import TokenizedSample
-from pipeline.data.chat import render_chat
+from pipeline.data.chat import render_chat, render_prompt, render_text
 from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
 log = logging.getLogger(__name__)
@@ -173,15 +173,6 @@ def split_turns(source_index: int, messages: list[dict], regenerate: bool) -> tu
 # ---- rendering --------------------------------------------------------------------------------------------------
 
 
-def _chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
-    """Token ids the target sees before writing its reply (the template's generation prompt included)."""
-    return tokenizer(_chat_text(tokenizer, prompt, True), add_special_tokens=False)["input_ids"]
-
-
 def render_row(tokenizer, prompt: list[dict], response: str, name: str = "<row>") -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, loss_mask) of prompt + the reply, training on the last assistant turn only."""
     messages = prompt + [{"role": "assistant", "content": response}]
@@ -189,8 +180,8 @@ def render_row(tokenizer, prompt: list[dict], response: str, name: str = "<row>"
     if any(m["role"] == "assistant" for m in prompt):
         # render_chat trains on every assistant turn; keep the tokens that end after the generation prompt of
         # the last one (its content starts there, so earlier turns' tokens all end at or before it).
-        head = _chat_text(tokenizer, prompt, True)
-        full = _chat_text(tokenizer, messages, False)
+        head = render_text(tokenizer, prompt, True)
+        full = render_text(tokenizer, messages, False)
         if not full.startswith(head):
             raise ValueError(f"sample {name}: the chat template does not render the prompt as a prefix of the "
                              "conversation; cannot tell the last assistant turn apart")
