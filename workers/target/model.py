@@ -272,6 +272,17 @@ def embedding_weights(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return embed_VD, lm_head_VD
 
 
+def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a reply, sorted: the model's generation config (chat models often list several, e.g. the
+    end-of-turn marker) and the tokenizer's eos, together. The one rule for the data stage's regeneration and the
+    evaluator's decoding, so a reply ends at the same token in both; empty when neither names one."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted({int(i) for i in ids})
+
+
 def validate_layers(layers: list[int], num_layers: int) -> None:
     if not layers:
         raise ValueError("target layers must name at least one layer (-1 = the final pre-LM-head state)")
