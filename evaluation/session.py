@@ -93,6 +93,23 @@ class TargetSession:
         logits_K1V, self._pending_feats = self._forward([self.anchor] + draft_tokens_K.tolist(), last_only=False)
         return logits_K1V
 
+    def verify(self, draft_tokens_K: torch.Tensor, draft_probs_KV: torch.Tensor, temperature: float,
+               generator: torch.Generator) -> sampling.VerifyResult:
+        """One verification round: the target's forward over [anchor, x_1..x_K], accept a prefix of the drafts
+        and draw one more token (draft_model.sampling; greedy at T = 0), and commit what was emitted. K = 0 is
+        allowed: no draft, the target samples the next token at the anchor alone."""
+        logits_K1V = self.verify_forward(draft_tokens_K)
+        if logits_K1V.shape[-1] != draft_probs_KV.shape[-1]:
+            raise ValueError(f"drafter vocab {draft_probs_KV.shape[-1]} != target vocab {logits_K1V.shape[-1]}")
+        if temperature == 0:
+            res = sampling.verify_greedy(draft_tokens_K, logits_K1V)
+        else:
+            q_K1V = sampling.probs_at_temperature(logits_K1V, temperature)
+            res = sampling.verify_block(draft_tokens_K, draft_probs_KV.to(q_K1V), q_K1V, generator)
+        emitted = res.token_list()
+        self.commit(emitted[:-1], emitted[-1])
+        return res
+
     def commit(self, accepted_tokens: list[int], next_token: int) -> None:
         """Keep anchor + accepted drafts (positions p..p+n), drop the rest from the cache; next_token is the anchor."""
         assert self._pending_feats is not None, "commit() without a verify_forward()"
@@ -143,17 +160,9 @@ def generate(target: nn.Module, drafter: Drafter, prompt_ids: list[int], tempera
         prop = drafter.propose(session.context(), session.anchor, temperature, generator)
         sync(session.device)
         draft_s = time.perf_counter() - t0
-        tokens_K, probs_KV, conf_K = prop.tokens_K, prop.probs_KV, prop.conf_K
-        logits_K1V = session.verify_forward(tokens_K)
-        if logits_K1V.shape[-1] != probs_KV.shape[-1]:
-            raise ValueError(f"drafter vocab {probs_KV.shape[-1]} != target vocab {logits_K1V.shape[-1]}")
-        if temperature == 0:
-            res = sampling.verify_greedy(tokens_K, logits_K1V)
-        else:
-            q_K1V = sampling.probs_at_temperature(logits_K1V, temperature)
-            res = sampling.verify_block(tokens_K, probs_KV.to(q_K1V), q_K1V, generator)
+        tokens_K, conf_K = prop.tokens_K, prop.conf_K
+        res = session.verify(tokens_K, prop.probs_KV, temperature, generator)
         emitted = res.token_list()
-        session.commit(emitted[:-1], emitted[-1])
         if rounds is not None:
             rounds.accepted_RK.append(res.accepted_K.cpu())
             if conf_K is not None:
