@@ -142,7 +142,7 @@ def test_bad_input_is_one_line_and_exit_2(export, prompt_file, tmp_path):
     empty.write_text("\n")
     _one_line_error(run(export, [empty]), "no prompts")
     for t in (-1.0, float("nan")):
-        _one_line_error(run(export, [prompt_file], temperature=t), "--temperature")
+        _one_line_error(run(export, [prompt_file], temperature=t), "decoding temperature must be a finite number")
     _one_line_error(run(export, [tmp_path / "missing.jsonl"]), "does not exist")
     _one_line_error(evaluate(export, [empty]), "no prompts")
     _one_line_error(evaluate(tmp_path / "nope"), "not an exported")

@@ -133,7 +133,8 @@ def test_single_process_refuses_a_group(tmp_path):
     from workers.trainer.single_process import train_single_process
 
     cfg = load_config(None, ["target.tp_size=2", f"checkpoint.run_dir={tmp_path}"])
-    with pytest.raises(InputError, match=r"^--single-process holds the whole target in this process: target.tp_size"):
+    with pytest.raises(InputError, match=r"^the single-process trainer holds the whole target in this process: "
+                                         r"target.tp_size"):
         train_single_process(cfg, logging.getLogger("test"), device="cpu")
 
 
