@@ -21,7 +21,7 @@ from torch import nn
 
 from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
-from draft_model.loss import LossParts, expected_tau, output_loss
+from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
 from pipeline.config import RunConfig
 from pipeline.contracts import FeatureBatch
 from pipeline.order import batches_per_epoch
@@ -167,10 +167,10 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
 
 
 def host_weight_sum(valid_len_N: np.ndarray, block_size: int, decay_lambda: float) -> float:
-    """Σ of `position_weights` over blocks with these valid-prefix lengths, on the host (fp64)."""
-    if decay_lambda <= 0:
-        raise ValueError(f"decay lambda must be > 0, got {decay_lambda}")
-    cum_K1 = np.concatenate([[0.0], np.cumsum(np.exp(-np.arange(block_size) / decay_lambda))])
+    """Σ of `position_weights` over blocks with these valid-prefix lengths, on the host (fp64): the weights are
+    the loss's own, so the step's denominator is the sum of what the loss weighs."""
+    w_K = position_weights(torch.ones(block_size, dtype=torch.bool), decay_lambda, dtype=torch.float64).numpy()
+    cum_K1 = np.concatenate([[0.0], np.cumsum(w_K)])
     return float(cum_K1[valid_len_N].sum())
 
 
