@@ -197,8 +197,9 @@ def test_driver_keeps_the_global_batch(monkeypatch):
     with pytest.raises(ValueError, match=r"global batch is 2 .* use \[1, 2\] trainers"):
         elastic_grad_accum(cfg, _meta(2, 1))
     cfg.cluster.num_trainers, cfg.train.grad_accum = 1, 1
-    adapt_to_checkpoint(cfg, _meta(4, 1), logging.getLogger("test"))
-    assert cfg.train.grad_accum == 4
+    adapted = adapt_to_checkpoint(cfg, _meta(4, 1), logging.getLogger("test"))
+    assert adapted.train.grad_accum == 4 and cfg.train.grad_accum == 1  # a new config; the given one is unchanged
+    assert adapted.cluster == cfg.cluster and adapted.draft == cfg.draft
     check_stage(cfg, _meta(2, 1, stage=3))  # every stage reshards (ELASTIC_STAGES); a stage taken out of it:
     monkeypatch.setattr("workers.trainer.reshard.ELASTIC_STAGES", (0, 1, 2))
     cfg.train.zero_stage = 3
