@@ -54,7 +54,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                rf"faults samples_trained=\d+ duplicates=0 lost=0 max_loss_diff={SCI} slowdown={NUM}", 1200),
     "scheduling": (["--quick", "--work-dir", "{tmp}/work"],
                    rf"scheduling alg1/best_static@knee={NUM} async/best_static@knee={NUM} worst_over_sweep={NUM} "
-                   rf"per_user dspark/mtp1@matched_throughput={NUM}", 1800),
+                   rf"per_user dspark/mtp1@matched_throughput={NUM}", 3600),
     # the data stage of bench/scheduling.py --quick (QUICK_TRAIN): fewer prompts or shorter replies leave no reply
     # that finishes within its budget, and the data stage drops unfinished ones
     "drafters": (["--scale", "cpu", "--work-dir", "{tmp}/work", "--drafters", "dspark", "dflash", "eagle3",
