@@ -254,11 +254,14 @@ def test_launch_refuses_a_trainer_count_that_does_not_divide_the_global_batch(tm
     """One line, exit status 2, before Ray starts: the driver checks the checkpoint's meta.json first."""
     from launch_helpers import TINY_MOE, run_launch
 
+    from workers.trainer.checkpoint import write_manifest
+
     step = tmp_path / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
     cfg = _run_cfg()
     cfg.cluster.num_trainers = 2
     (step / "meta.json").write_text(json.dumps({**_meta(2, 1), "step": 2, "config": cfg.to_dict()}))
+    write_manifest(step)  # sealed as save() seals one: a checkpoint without its manifest is refused first
     (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
     res = run_launch(["--run-dir", str(tmp_path), *TINY_MOE, "cluster.num_trainers=3"], timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
