@@ -147,6 +147,7 @@ class FaultSchedule:
                                 stderr=subprocess.STDOUT)
         fired: list[tuple[int, str, str | None, int]] = []
         pending = list(self.faults)
+        waiting_since = None  # when the next kill found no live actor of its class
         deadline = time.time() + timeout
         try:
             while proc.poll() is None and time.time() < deadline:
@@ -158,8 +159,11 @@ class FaultSchedule:
                         fired.append((at, kind, cls, proc.pid))
                     else:
                         pids = actor_pids(self.head, cls)
-                        if not pids:  # the one killed before is still being restarted (a busy machine): kill
-                            break     # when one is alive again, at the next poll
+                        if not pids:  # the one killed before may still be restarting (a busy machine): kill
+                            waiting_since = waiting_since or time.time()  # when one is alive again, but
+                            assert time.time() - waiting_since < 120, f"no live {cls} actor to kill at step {step}"
+                            break
+                        waiting_since = None
                         os.kill(pids[-1], _signal.SIGKILL)
                         fired.append((at, kind, cls, pids[-1]))
                     pending.pop(0)
