@@ -27,14 +27,14 @@ import torch
 
 def sample_replies(target, tok, prompts: int, max_new: int, seed: int) -> list[dict]:
     from evaluation.prompts import resolve_prompt_sets
+    from pipeline.data.chat import render_prompt
 
     torch.manual_seed(seed)
     rows, t0 = [], time.time()
     for ds, items in resolve_prompt_sets(["humaneval", "gsm8k", "mtbench"], prompts).items():
         for i, p in enumerate(items):
             msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
-            ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+            ids = torch.tensor([render_prompt(tok, msgs)])
             out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                                   top_p=1.0, max_new_tokens=max_new, pad_token_id=tok.eos_token_id)
             rows.append(dict(dataset=ds, index=i, ids=out[0].tolist(), prompt_len=int(ids.shape[1])))

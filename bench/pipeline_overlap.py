@@ -25,15 +25,15 @@ from pipeline.config import load_config
 from pipeline.metrics import get_logger, read_jsonl_metrics
 from pipeline.packing import pack
 from workers.driver import REPO, connect_ray, run_training
-from workers.inputs import load_samples
+from workers.inputs import load_samples, write_run_samples
 from workers.target.feature_service import FeatureService
 from workers.target.model import resolve_target_path
 
 
-def target_only(cfg, samples, target_path: Path, batches: int, warmup: int) -> float:
+def target_only(cfg, samples_path: Path, target_path: Path, batches: int, warmup: int) -> float:
     target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
-    service = FeatureService.remote(samples, target, list(cfg.draft.target_layers), cfg.data.samples_per_batch,
-                                    cfg.data.seed, cfg.data.max_in_flight)
+    service = FeatureService.remote(str(samples_path), target, list(cfg.draft.target_layers),
+                                    cfg.data.samples_per_batch, cfg.data.seed, cfg.data.max_in_flight)
     trained, t0 = 0, None
     for b in range(warmup + batches):
         if b == warmup:
@@ -79,7 +79,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             per_step = args.trainers * cfg.train.grad_accum  # feature batches consumed per optimizer step
-            rates["target-only"] = target_only(cfg, samples, target_path, args.steps * per_step,
+            samples_path, _ = write_run_samples(samples, Path(tmp))  # the service reads rows by id, as in a run
+            rates["target-only"] = target_only(cfg, samples_path, target_path, args.steps * per_step,
                                                args.warmup * per_step)
             log.info("target-only: %.1f trained tok/s", rates["target-only"])
             for name, extra in (("trainer-only", [f"data.replay_batches={(args.warmup + 2) * per_step}"]),

@@ -24,8 +24,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from pipeline.data.chat import render_prompt
     from pipeline.data.regenerate import GenParams, batch_seed
-    from pipeline.data.rows import render_prompt
     from workers.target.generation import generate_batch
     from workers.target.model import load_target, smollm2_path
 

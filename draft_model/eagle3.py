@@ -15,7 +15,7 @@ A block anchored at p (the target has run 0..p-1; x_p is the last sampled token;
 - step s >= 1, at position p-1+s: input [embed(x_{p+s}); a_{s-1}], where a_{s-1} is the draft's own pre-final-norm
   output of step s-1 (the training-time test: the draft learns from its own features, as at inference), and
   x_{p+s} is the ground-truth token while training (teacher forcing, as EAGLE-3 trains) or the token sampled at
-  step s-1 in `propose`. Its query sees the context keys and the block's steps 0..s (causal).
+  step s-1 in `draft_block`. Its query sees the context keys and the block's steps 0..s (causal).
 Training and inference run the same `_step`, so they agree by construction (tests/test_eagle3.py checks it).
 
 With γ = 1 and target_layers = [-1] (preset `mtp1`) only step 0 exists and this is DeepSeek-V3's MTP module run
@@ -46,13 +46,6 @@ from draft_model.ffn import SwiGLU
 from draft_model.model import DraftOutput, FrozenTargetDraft, resolve_cfg
 from draft_model.registry import register_draft
 from draft_model.sampling import probs_at_temperature, sample_categorical
-
-
-@dataclass
-class Eagle3Proposal:
-    tokens_NK: torch.Tensor  # int64 sampled chain per block
-    probs_NKV: torch.Tensor  # fp32 distributions the tokens were drawn from (one-hot when greedy)
-    conf_NK: torch.Tensor | None  # sigmoid confidence per slot (None without a confidence head)
 
 
 @dataclass
@@ -160,14 +153,6 @@ class Eagle3Draft(FrozenTargetDraft):
         return DraftOutput(hidden_NKD, None, conf_NK, hidden_NKD.new_zeros(()))
 
     @torch.no_grad()
-    def draft_steps(self, batch: BlockBatch, temperature: float,
-                    generator: torch.Generator | None = None) -> Eagle3Proposal:
-        """`draft_block` with the confidences as probabilities (sigmoid of its raw logits)."""
-        tokens_NK, probs_NKV, conf_logit_NK = self.draft_block(batch, temperature, generator)
-        conf_NK = None if conf_logit_NK is None else torch.sigmoid(conf_logit_NK.float())
-        return Eagle3Proposal(tokens_NK, probs_NKV, conf_NK)
-
-    @torch.no_grad()
     def draft_block(self, batch: BlockBatch, temperature: float, generator: torch.Generator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Chain drafting, the drafter contract shared with DraftModel.draft_block: step s reads the token sampled
@@ -187,10 +172,4 @@ class Eagle3Draft(FrozenTargetDraft):
             hidden.append(h_ND)
             feat_ND = self._feedback(a_ND)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1), self._conf(torch.stack(hidden, dim=1))
-
-    def propose(self, batch: BlockBatch, temperature: float,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (tokens_NK, probs_NKV), sampled left to right (see `draft_steps`, which also gives confidences)."""
-        out = self.draft_steps(batch, temperature, generator)
-        return out.tokens_NK, out.probs_NKV
 

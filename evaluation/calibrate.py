@@ -73,11 +73,12 @@ def calibrate(export: Path, target_name: str, prompt_names: list[str], num_promp
 
     check_exports({"draft": export})
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        raise ValueError(f"the decoding temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if not 0 < fit_fraction < 1:
-        raise ValueError(f"--fit-fraction must be in (0, 1), got {fit_fraction}")
+        raise ValueError(f"the fit fraction (the share of each set's prompts fitted on) must be in (0, 1), "
+                         f"got {fit_fraction}")
     if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = resolve_prompt_sets(prompt_names, num_prompts)
     splits = {ds: split_prompts(len(items), fit_fraction, seed) for ds, items in prompts.items()}
     if device == "auto":

@@ -22,7 +22,9 @@ from torch import nn
 from draft_model.sampling import ACCEPTED, NOT_REACHED
 from evaluation.drafters import Drafter
 from evaluation.session import RoundLog, generate, sync
+from pipeline.data.chat import render_prompt
 from serving.metrics import expected_calibration_error, roc_auc
+from workers.target.model import stop_token_ids
 
 __all__ = ["encode_prompt", "evaluate", "evaluate_many"]
 
@@ -36,21 +38,11 @@ def encode_prompt(tokenizer, prompt: str | list[dict] | list[int]) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         if tokenizer is None:
             raise ValueError("chat prompts need a tokenizer with a chat template")
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_prompt(tokenizer, prompt)
     if isinstance(prompt, list | tuple) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     raise ValueError("a prompt must be a string, a non-empty list of chat messages or of token ids; "
                      f"got {prompt!r:.80}")
-
-
-def _eos_ids(model: nn.Module, tokenizer, eos_token_ids: Iterable[int] | None) -> set[int]:
-    if eos_token_ids is not None:
-        return set(eos_token_ids)
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
 
 
 def _dataset_metrics(rounds: RoundLog, new_tokens: int, forwards: int, wall_s: float, num_prompts: int) -> dict:
@@ -95,7 +87,8 @@ def evaluate(target: nn.Module, tokenizer, drafter: Drafter, prompts: dict[str, 
 
     prompts: dataset name -> prompts (text, chat messages or token ids). Each prompt gets its own generator
     seeded from (seed, dataset, index), so results do not depend on dataset order. eos_token_ids: None = the
-    target's generation config / tokenizer; an empty list disables stopping at EOS.
+    target's stop tokens (workers.target.model.stop_token_ids: its generation config's and its tokenizer's eos,
+    the rule the data stage's replies ended by); an empty list disables stopping at EOS.
     """
     return evaluate_many(target, tokenizer, [drafter], prompts, temperature, max_new_tokens, seed, eos_token_ids)[0]
 
@@ -116,7 +109,7 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos_ids = _eos_ids(target, tokenizer, eos_token_ids)
+    eos_ids = set(stop_token_ids(target, tokenizer) if eos_token_ids is None else eos_token_ids)
     device = target.get_output_embeddings().weight.device
     outs = [{"drafter": d.name, "gamma": d.block_size, "temperature": temperature, "max_new_tokens": max_new_tokens,
              "seed": seed, "sts_temperatures": getattr(d, "sts_temperatures", None), "datasets": {}, "generations": {},

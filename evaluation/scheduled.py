@@ -13,9 +13,9 @@ One engine step, for the R requests still running:
    had two steps earlier: a row of NaN in its first two steps, as in the simulator, where the policy falls back
    to Algorithm 1 with its early stop), and SPS(B);
 3. request r verifies only x_1..x_{ℓ_r}: one target forward over [anchor, x_1..x_{ℓ_r}] and the rejection rule
-   (draft_model.sampling) on that prefix, emitting n_r + 1 = min(n, ℓ_r) + 1 tokens. ℓ_r = 0 is handled here:
-   sampling.verify_block does not take an empty block (it indexes the first draft slot), and with no draft token
-   the rule reduces to "sample the next token from the target's distribution at the anchor" (its argmax, greedy).
+   (TargetSession.verify, the round of evaluation/session.py) on that prefix, emitting n_r + 1 = min(n, ℓ_r) + 1
+   tokens. With ℓ_r = 0 (an empty block, which sampling.verify_block takes) the rule reduces to "sample the next
+   token from the target's distribution at the anchor" (its argmax, greedy).
 Truncating a block to its first ℓ tokens is a valid draft of length ℓ: slot k's token and distribution depend
 only on the slots before it. What the policy must not do is let x_{r,j} decide its own admission; Algorithm 1's
 early stop and the asynchronous variant's stale capacity (or its early-stop fallback) ensure that
@@ -36,7 +36,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from draft_model import sampling
 from evaluation.drafters import Drafter
 from evaluation.session import TargetSession
 from serving.simulator import Policy
@@ -71,19 +70,8 @@ def verify_prefix(session: TargetSession, tokens_K: torch.Tensor, probs_KV: torc
     """
     if not 0 <= ell <= tokens_K.shape[0]:
         raise ValueError(f"ell must be in 0..{tokens_K.shape[0]}, got {ell}")
-    x_L = tokens_K[:ell]
-    logits_L1V = session.verify_forward(x_L)  # [ell + 1, V]: positions p+1..p+ell+1
-    if temperature == 0:
-        res_tokens = sampling.verify_greedy(x_L, logits_L1V).token_list()
-    elif ell == 0:
-        # no draft token: the rejection rule degenerates to sampling the target at the anchor
-        q_V = sampling.probs_at_temperature(logits_L1V[0], temperature)
-        res_tokens = [int(sampling.sample_categorical(q_V, generator))]
-    else:
-        q_L1V = sampling.probs_at_temperature(logits_L1V, temperature)
-        res_tokens = sampling.verify_block(x_L, probs_KV[:ell].to(q_L1V), q_L1V, generator).token_list()
-    session.commit(res_tokens[:-1], res_tokens[-1])
-    return res_tokens
+    # ell = 0: no draft token, the rejection rule degenerates to sampling the target at the anchor
+    return session.verify(tokens_K[:ell], probs_KV[:ell], temperature, generator).token_list()
 
 
 def scheduled_generate(target: nn.Module, drafter: Drafter, prompts: Sequence[list[int]], policy: Policy,

@@ -22,7 +22,7 @@ from torch import nn
 
 from draft_model import sampling
 from evaluation.drafters import DecodeContext, Drafter
-from workers.target.model import FINAL_HIDDEN, target_dims, validate_layers
+from workers.target.model import FINAL_HIDDEN, layer_features, lm_head_input, target_dims, validate_layers
 
 __all__ = ["RoundLog", "TargetSession", "generate"]
 
@@ -76,33 +76,39 @@ class TargetSession:
 
     @torch.no_grad()
     def _forward(self, ids: list[int], last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `ids` after the cached prefix -> (logits [L or 1, V] fp32, feats_LF)."""
-        captured: dict[str, torch.Tensor] = {}
-
-        def grab_lm_head_input(module: nn.Module, args: tuple):
-            # the exact LM-head input, for any architecture; in a prefill only the last row needs logits
-            captured["final"] = args[0]
-            return ((args[0][:, -1:],) + tuple(args[1:])) if last_only else None
-
+        """Run `ids` after the cached prefix -> (logits [L or 1, V] fp32, feats_LF). In a prefill (`last_only`)
+        only the last row needs logits."""
         want_hs = any(i != FINAL_HIDDEN for i in self.layers)
-        handle = self.model.get_output_embeddings().register_forward_pre_hook(grab_lm_head_input)
-        try:
+        with lm_head_input(self.model, last_only) as captured:
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                              cache=self.cache, use_cache=True, output_hidden_states=want_hs,
                              return_dict=True)
-        finally:
-            handle.remove()
         self.forwards += 1
-        final_LD = captured["final"][0]
-        assert final_LD.shape[0] == len(ids), "the LM-head input is not per token"
-        parts = [final_LD if i == FINAL_HIDDEN else out.hidden_states[i][0].to(final_LD.device) for i in self.layers]
-        feats_LF = torch.cat(parts, dim=-1) if parts else final_LD.new_zeros(len(ids), 0)
-        return out.logits[0].float(), feats_LF
+        final_1LD = captured["final"]
+        assert final_1LD.shape[1] == len(ids), "the LM-head input is not per token"
+        return out.logits[0].float(), layer_features(final_1LD, out.hidden_states, self.layers)[0]
 
     def verify_forward(self, draft_tokens_K: torch.Tensor) -> torch.Tensor:
         """Target forward over [anchor, x_1..x_K] -> logits [K+1, V] for positions p+1..p+K+1."""
         logits_K1V, self._pending_feats = self._forward([self.anchor] + draft_tokens_K.tolist(), last_only=False)
         return logits_K1V
+
+    def verify(self, draft_tokens_K: torch.Tensor, draft_probs_KV: torch.Tensor, temperature: float,
+               generator: torch.Generator) -> sampling.VerifyResult:
+        """One verification round: the target's forward over [anchor, x_1..x_K], accept a prefix of the drafts
+        and draw one more token (draft_model.sampling; greedy at T = 0), and commit what was emitted. K = 0 is
+        allowed: no draft, the target samples the next token at the anchor alone."""
+        logits_K1V = self.verify_forward(draft_tokens_K)
+        if logits_K1V.shape[-1] != draft_probs_KV.shape[-1]:
+            raise ValueError(f"drafter vocab {draft_probs_KV.shape[-1]} != target vocab {logits_K1V.shape[-1]}")
+        if temperature == 0:
+            res = sampling.verify_greedy(draft_tokens_K, logits_K1V)
+        else:
+            q_K1V = sampling.probs_at_temperature(logits_K1V, temperature)
+            res = sampling.verify_block(draft_tokens_K, draft_probs_KV.to(q_K1V), q_K1V, generator)
+        emitted = res.token_list()
+        self.commit(emitted[:-1], emitted[-1])
+        return res
 
     def commit(self, accepted_tokens: list[int], next_token: int) -> None:
         """Keep anchor + accepted drafts (positions p..p+n), drop the rest from the cache; next_token is the anchor."""
@@ -154,17 +160,9 @@ def generate(target: nn.Module, drafter: Drafter, prompt_ids: list[int], tempera
         prop = drafter.propose(session.context(), session.anchor, temperature, generator)
         sync(session.device)
         draft_s = time.perf_counter() - t0
-        tokens_K, probs_KV, conf_K = prop.tokens_K, prop.probs_KV, prop.conf_K
-        logits_K1V = session.verify_forward(tokens_K)
-        if logits_K1V.shape[-1] != probs_KV.shape[-1]:
-            raise ValueError(f"drafter vocab {probs_KV.shape[-1]} != target vocab {logits_K1V.shape[-1]}")
-        if temperature == 0:
-            res = sampling.verify_greedy(tokens_K, logits_K1V)
-        else:
-            q_K1V = sampling.probs_at_temperature(logits_K1V, temperature)
-            res = sampling.verify_block(tokens_K, probs_KV.to(q_K1V), q_K1V, generator)
+        tokens_K, conf_K = prop.tokens_K, prop.conf_K
+        res = session.verify(tokens_K, prop.probs_KV, temperature, generator)
         emitted = res.token_list()
-        session.commit(emitted[:-1], emitted[-1])
         if rounds is not None:
             rounds.accepted_RK.append(res.accepted_K.cpu())
             if conf_K is not None:

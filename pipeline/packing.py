@@ -50,7 +50,6 @@ class PackStats:
     blocks: int  # N
     block_size: int  # K
     useful_block_tokens: int  # valid (supervised) block slots
-    blocks_capped: int = 0  # blocks sampled but removed by max_blocks
 
     @property
     def sequences(self) -> int:
@@ -153,13 +152,11 @@ def _ranges(start_S: np.ndarray, len_S: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(start_S - out_start_S, len_S)
 
 
-def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int, seed: int,
-         max_blocks: int | None = None, *, full_blocks_first: bool = True) -> tuple[BlockBatch, PackStats]:
+def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int, seed: int, *,
+         full_blocks_first: bool = True) -> tuple[BlockBatch, PackStats]:
     """Pack the sequences of decoded FeatureBatches into one BlockBatch (plus its PackStats).
 
     Sequences are concatenated in the given order; those without an eligible anchor are dropped (tokens too).
-    `max_blocks` caps N by keeping a uniformly random subset of the sampled blocks, chosen with per-block keys
-    drawn from each sample's own RNG, so the choice too is independent of batch order.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -167,8 +164,6 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
         raise ValueError(f"anchors_per_seq must be >= 1, got {anchors_per_seq}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    if max_blocks is not None and max_blocks < 1:
-        raise ValueError(f"max_blocks must be >= 1 or None, got {max_blocks}")
     if not batches:
         raise ValueError("pack needs at least one FeatureBatch")
 
@@ -185,7 +180,7 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
     start_S, len_S = np.concatenate(start_S), np.concatenate(len_S)
 
     # per-sequence sampling: one RNG per sample is what makes anchors independent of batch composition
-    anchors, keys = [], []
+    anchors = []
     for s, sid in enumerate(sample_ids):
         if sid < 0:
             raise ValueError(f"sample ids must be >= 0 (they seed the anchor RNG), got {sid}")
@@ -193,8 +188,6 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
         p = sample_anchors(mask_T[start_S[s]:start_S[s] + len_S[s]], anchors_per_seq, block_size, rng,
                            full_blocks_first=full_blocks_first)
         anchors.append(p)
-        if max_blocks is not None:
-            keys.append(rng.random(p.shape[0]))
     count_S = np.array([a.shape[0] for a in anchors], dtype=np.int64)
     pos_N = np.concatenate(anchors)
     seq_N = np.repeat(np.arange(len(sample_ids), dtype=np.int64), count_S)
@@ -202,13 +195,7 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
         raise ValueError("no trainable block: every sequence is shorter than 2 tokens or has no loss-masked "
                          f"tokens ({len(sample_ids)} sequences, {offset} tokens)")
 
-    capped = 0
-    if max_blocks is not None and pos_N.shape[0] > max_blocks:
-        keep = np.sort(np.argsort(np.concatenate(keys), kind="stable")[:max_blocks])  # sort keeps (seq, p) order
-        capped = pos_N.shape[0] - max_blocks
-        pos_N, seq_N = pos_N[keep], seq_N[keep]
-
-    # keep only sequences that still own a block; renumber them densely
+    # keep only sequences that own a block; renumber them densely
     kept_S = np.unique(seq_N)
     new_index = np.full(len(sample_ids), -1, dtype=np.int64)
     new_index[kept_S] = np.arange(kept_S.shape[0])
@@ -260,7 +247,6 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
         blocks=int(pos_N.shape[0]),
         block_size=block_size,
         useful_block_tokens=int(valid_NK.sum()),
-        blocks_capped=capped,
     )
     return batch, stats
 

@@ -35,8 +35,6 @@ RESUMABLE_CHANGES = (
 GLOBAL_BATCH = ("train.grad_accum", "cluster.num_trainers")
 FILLED_FROM_TARGET = ("draft.vocab_size", "draft.hidden_size")  # 0 in the config until the target is resolved
 CHOSEN_AT_LAUNCH = ("draft.mask_token_id",)  # -1 = choose at launch (pipeline/mask_token.py); an explicit id must match
-# keys whose default changed after they existed: a checkpoint's config that lacks one ran with this value
-FORMER_DEFAULTS = {"loss.matmul_dtype": "float32"}  # bfloat16 by default since the step work (#11)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -55,10 +53,9 @@ def _allowed(name: str) -> bool:
 def check_resume(cfg: RunConfig, meta: dict) -> None:
     """A resume must continue the same model on the same data order: refuse, naming the setting and both values,
     any difference outside RESUMABLE_CHANGES. A key the checkpoint's config lacks (it predates the key) is
-    compared with the key's default, which by convention is the behaviour of the code before it existed, or with
-    its FORMER_DEFAULTS value where that default has changed since."""
+    compared with the key's default, which by convention is the behaviour of the code before it existed."""
     saved, now = _flatten(meta.get("config", {})), _flatten(cfg.to_dict())
-    default = {**_flatten(RunConfig().to_dict()), **FORMER_DEFAULTS}
+    default = _flatten(RunConfig().to_dict())
     hint = "the same model and data order are needed; use a new --run-dir to start over"
     (ga_a, nt_a), (ga_b, nt_b) = [[int(x.get(k, default[k])) for k in GLOBAL_BATCH] for x in (saved, now)]
     if ga_a * nt_a != ga_b * nt_b:

@@ -3,7 +3,7 @@ built (untrained) export, run as a user runs them: calibration.json is written i
 load applies it; bad input is one line: a one-line error from evaluation/calibrate.py and evaluation/run.py, which
 the CLIs print as `error: ...` with exit status 2.
 
-Run: python -m pytest tests/test_calibrate_cli.py -q
+Run: python -m pytest tests/test_calibrate_cli.py -q     (-m slow adds the calibration run through both CLIs)
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def cli(script: str, args: list[str]) -> tuple[int, str, str]:
     return res.returncode, res.stdout, res.stderr
 
 
+@pytest.mark.slow  # decodes, fits and evaluates again through both CLIs: about 45 s on 2 cores
 def test_calibration_is_written_into_the_export_and_applied_on_load(export, prompt_file, tmp_path, target):
     out = tmp_path / "calib"
     args = ["--draft", str(export), "--target", "tiny-qwen3-moe", "--prompts", str(prompt_file), "--max-new-tokens",
@@ -142,7 +143,7 @@ def test_bad_input_is_one_line_and_exit_2(export, prompt_file, tmp_path):
     empty.write_text("\n")
     _one_line_error(run(export, [empty]), "no prompts")
     for t in (-1.0, float("nan")):
-        _one_line_error(run(export, [prompt_file], temperature=t), "--temperature")
+        _one_line_error(run(export, [prompt_file], temperature=t), "decoding temperature must be a finite number")
     _one_line_error(run(export, [tmp_path / "missing.jsonl"]), "does not exist")
     _one_line_error(evaluate(export, [empty]), "no prompts")
     _one_line_error(evaluate(tmp_path / "nope"), "not an exported")

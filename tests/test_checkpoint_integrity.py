@@ -165,18 +165,18 @@ def test_pointer_and_empty_run_dir_cases(tmp_path, log, caplog):
         ckpts.latest(verify="none")
 
 
-def test_a_checkpoint_from_before_manifests_is_accepted_with_a_warning(tmp_path, log, caplog):
+def test_a_checkpoint_without_a_manifest_is_refused_whatever_its_meta_says(tmp_path, log):
+    """No checkpoint predates manifests any more (the project has no runs from before them): a meta.json without
+    "format" earns no exemption from verification."""
     ckpts = _save_steps(tmp_path, log, steps=(2,))
     path = ckpts.root / "step_00000002"
     (path / MANIFEST).unlink()
     meta = json.loads((path / "meta.json").read_text())
-    del meta["format"]  # what the previous code wrote
+    del meta["format"]  # what the code before manifests wrote
     (path / "meta.json").write_text(json.dumps(meta))
-    assert ckpts.latest() == path
-    assert _warnings(caplog) == ["step_00000002 has no manifest.json (written before manifests): resuming from it "
-                                 "unverified"]
-    engine = FakeEngine(9)
-    assert ckpts.load(engine, path, 0)["step"] == 2 and engine.loaded == FakeEngine(2).state
+    assert checkpoint_problem(path) == "manifest.json is missing"
+    with pytest.raises(CheckpointError, match="step_00000002: manifest.json is missing"):
+        ckpts.latest()
 
 
 def test_load_refuses_a_truncated_checkpoint(tmp_path, log):
@@ -227,14 +227,14 @@ def test_check_resume_refuses_a_change_of_data_or_model(key, old, message):
     assert message in str(e.value) and str(e.value).startswith("cannot resume: ") and "\n" not in str(e.value)
 
 
-def test_check_resume_reads_a_missing_key_as_its_former_default():
-    """A checkpoint from before loss.matmul_dtype existed trained in fp32, the key's default then: it resumes with
-    float32, and is refused with the present default (bfloat16), which would change its loss."""
+def test_check_resume_reads_a_missing_key_as_its_default():
+    """A checkpoint whose config lacks a key (its code predates the key) ran with the key's default: it resumes
+    with the default and is refused with another value, which would change its loss."""
     meta = _meta()
     del meta["config"]["loss"]["matmul_dtype"]
-    check_resume(RunConfig(loss=LossConfig(matmul_dtype="float32")), meta)
-    with pytest.raises(InputError, match="loss.matmul_dtype is 'bfloat16' now but 'float32'"):
-        check_resume(RunConfig(), meta)
+    check_resume(RunConfig(), meta)
+    with pytest.raises(InputError, match="loss.matmul_dtype is 'float32' now but 'bfloat16'"):
+        check_resume(RunConfig(loss=LossConfig(matmul_dtype="float32")), meta)
 
 
 def test_check_resume_compares_nested_draft_keys_and_global_batch():

@@ -18,9 +18,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.data.chat import render_prompt
 from pipeline.data.prepare import run_data_stage
 from pipeline.data.regenerate import Generation, GenParams
-from pipeline.data.rows import build_shard, load_parquet_corpus, normalize_record, render_prompt
+from pipeline.data.rows import build_shard, load_parquet_corpus, normalize_record
 from workers.target import model as tm
 from workers.target.generation import LocalGenerator, generate_batch
 

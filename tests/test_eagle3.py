@@ -260,6 +260,12 @@ def test_bf16_runs():
 ONE_BLOCK_EACH = [(0, 9), (1, 2), (2, 5)]  # one block per sequence, so substituting a chain touches nothing else
 
 
+def _draft(model, batch: BlockBatch, temperature: float, generator: torch.Generator | None = None):
+    """draft_block -> (tokens_NK, probs_NKV, confidences as probabilities: sigmoid of its raw logits)."""
+    tokens_NK, probs_NKV, conf_logit_NK = model.draft_block(batch, temperature, generator)
+    return tokens_NK, probs_NKV, None if conf_logit_NK is None else torch.sigmoid(conf_logit_NK.float())
+
+
 def _with_chain(batch: BlockBatch, tokens_NK: torch.Tensor) -> BlockBatch:
     ids = batch.input_ids_T.clone()
     rows_NK = batch.anchor_index_N()[:, None] + 1 + torch.arange(tokens_NK.shape[1])
@@ -270,8 +276,8 @@ def _with_chain(batch: BlockBatch, tokens_NK: torch.Tensor) -> BlockBatch:
 def test_greedy_proposal_is_deterministic_and_matches_forward():
     model = _model()
     batch = _batch(model.cfg, blocks=ONE_BLOCK_EACH)
-    tokens, probs = model.propose(batch, temperature=0.0)
-    tokens2, probs2 = model.propose(_perturb(batch, token_rows=(batch.anchor_index_N() + 1).tolist()), 0.0)
+    tokens, probs, _ = _draft(model, batch, temperature=0.0)
+    tokens2, probs2, _ = _draft(model, _perturb(batch, token_rows=(batch.anchor_index_N() + 1).tolist()), 0.0)
     assert torch.equal(tokens, tokens2) and torch.equal(probs, probs2)  # tokens after the anchor are not read
     assert tokens.shape == (3, K) and torch.equal(probs.argmax(-1), tokens) and torch.all(probs.sum(-1) == 1)
     with torch.no_grad():
@@ -282,33 +288,33 @@ def test_greedy_proposal_is_deterministic_and_matches_forward():
 def test_sampled_proposal_matches_forward_on_the_same_chain():
     model = _model()
     batch = _batch(model.cfg, blocks=ONE_BLOCK_EACH)
-    drafted = model.draft_steps(batch, temperature=0.7, generator=torch.Generator().manual_seed(3))
-    again = model.draft_steps(batch, temperature=0.7, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(drafted.tokens_NK, again.tokens_NK)
+    tokens_NK, probs_NKV, conf_NK = _draft(model, batch, 0.7, torch.Generator().manual_seed(3))
+    again_NK, _, _ = _draft(model, batch, 0.7, torch.Generator().manual_seed(3))
+    assert torch.equal(tokens_NK, again_NK)
     with torch.no_grad():
-        out = model(_with_chain(batch, drafted.tokens_NK))
+        out = model(_with_chain(batch, tokens_NK))
     probs = torch.softmax(out.hidden_NKD @ model.lm_head_weight().t() / 0.7, dim=-1)
-    torch.testing.assert_close(drafted.probs_NKV, probs, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(drafted.conf_NK, out.conf_logit_NK.sigmoid(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs_NKV, probs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(conf_NK, out.conf_logit_NK.sigmoid(), atol=1e-6, rtol=1e-5)
     # the chain really depends on the sampled tokens: a different seed gives different later distributions
-    other = model.draft_steps(batch, temperature=0.7, generator=torch.Generator().manual_seed(4))
-    differs = (other.tokens_NK[:, :-1] != drafted.tokens_NK[:, :-1]).any(-1)
-    assert differs.any() and _diff(other.probs_NKV[differs][:, -1], drafted.probs_NKV[differs][:, -1]) > 1e-4
+    other_NK, other_probs_NKV, _ = _draft(model, batch, 0.7, torch.Generator().manual_seed(4))
+    differs = (other_NK[:, :-1] != tokens_NK[:, :-1]).any(-1)
+    assert differs.any() and _diff(other_probs_NKV[differs][:, -1], probs_NKV[differs][:, -1]) > 1e-4
 
 
-def test_draft_block_is_draft_steps_with_raw_logits():
-    """The drafter contract (draft_block) and draft_steps run the same loop: same tokens and distributions from
-    the same generator, and the confidences are the sigmoid of the logits draft_block returns."""
+def test_draft_block_is_reproducible_from_its_generator():
+    """The drafter contract (draft_block): the same tokens, distributions and confidence logits from the same
+    generator, greedy or sampled."""
     model = _model()
     batch = _batch(model.cfg, blocks=ONE_BLOCK_EACH)
     for temperature in (0.0, 0.7):
-        steps = model.draft_steps(batch, temperature, torch.Generator().manual_seed(5))
+        first = model.draft_block(batch, temperature, torch.Generator().manual_seed(5))
         tokens_NK, probs_NKV, logit_NK = model.draft_block(batch, temperature, torch.Generator().manual_seed(5))
-        assert torch.equal(tokens_NK, steps.tokens_NK) and torch.equal(probs_NKV, steps.probs_NKV)
-        torch.testing.assert_close(logit_NK.float().sigmoid(), steps.conf_NK, atol=0, rtol=0)
+        assert torch.equal(tokens_NK, first[0]) and torch.equal(probs_NKV, first[1])
+        torch.testing.assert_close(logit_NK, first[2], atol=0, rtol=0)
 
 
-def test_evaluator_block_batch_drives_draft_steps():
+def test_evaluator_block_batch_drives_draft_block():
     """evaluation/ builds a one-block batch from the verified prefix (cut to the sliding window): the
     chain drafted from it must equal the one from the packed training batch."""
     from evaluation.drafters import DecodeContext, DSparkDrafter
@@ -318,8 +324,8 @@ def test_evaluator_block_batch_drives_draft_steps():
     s0 = int(batch.seq_start_S1[0])
     ctx = DecodeContext(batch.input_ids_T[s0:s0 + P_TGT], batch.ctx_feats_TF[s0:s0 + P_TGT])
     anchor = int(batch.input_ids_T[s0 + P_TGT])
-    ref = model.draft_steps(batch, temperature=0.0)
+    ref_NK, _, ref_conf_NK = _draft(model, batch, temperature=0.0)
     for start in (0, P_TGT - WINDOW):  # whole prefix, or only the window as the evaluator hands it over
-        got = model.draft_steps(DSparkDrafter(model).block_batch(ctx, anchor, start=start), temperature=0.0)
-        assert torch.equal(got.tokens_NK, ref.tokens_NK)
-        torch.testing.assert_close(got.conf_NK, ref.conf_NK, atol=1e-5, rtol=1e-4)
+        got_NK, _, conf_NK = _draft(model, DSparkDrafter(model).block_batch(ctx, anchor, start=start), 0.0)
+        assert torch.equal(got_NK, ref_NK)
+        torch.testing.assert_close(conf_NK, ref_conf_NK, atol=1e-5, rtol=1e-4)

@@ -163,6 +163,7 @@ def test_bf16_two_to_one_to_two_ranks(tmp_path):
         print(f"bf16 ZeRO-{stage}: worst relative loss difference {worst:.2e}")
 
 
+@pytest.mark.slow
 def test_moe_balance_bias_survives_the_universal_load(tmp_path):
     """With the MoE balance bias on (the default), DeepSpeed's universal load does not restore it (it loads no
     module state dict); workers/trainer/reshard restores it, so the first resumed step starts from the saved bias."""
@@ -196,8 +197,9 @@ def test_driver_keeps_the_global_batch(monkeypatch):
     with pytest.raises(ValueError, match=r"global batch is 2 .* use \[1, 2\] trainers"):
         elastic_grad_accum(cfg, _meta(2, 1))
     cfg.cluster.num_trainers, cfg.train.grad_accum = 1, 1
-    adapt_to_checkpoint(cfg, _meta(4, 1), logging.getLogger("test"))
-    assert cfg.train.grad_accum == 4
+    adapted = adapt_to_checkpoint(cfg, _meta(4, 1), logging.getLogger("test"))
+    assert adapted.train.grad_accum == 4 and cfg.train.grad_accum == 1  # a new config; the given one is unchanged
+    assert adapted.cluster == cfg.cluster and adapted.draft == cfg.draft
     check_stage(cfg, _meta(2, 1, stage=3))  # every stage reshards (ELASTIC_STAGES); a stage taken out of it:
     monkeypatch.setattr("workers.trainer.reshard.ELASTIC_STAGES", (0, 1, 2))
     cfg.train.zero_stage = 3
@@ -252,11 +254,14 @@ def test_launch_refuses_a_trainer_count_that_does_not_divide_the_global_batch(tm
     """One line, exit status 2, before Ray starts: the driver checks the checkpoint's meta.json first."""
     from launch_helpers import TINY_MOE, run_launch
 
+    from workers.trainer.checkpoint import write_manifest
+
     step = tmp_path / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
     cfg = _run_cfg()
     cfg.cluster.num_trainers = 2
     (step / "meta.json").write_text(json.dumps({**_meta(2, 1), "step": 2, "config": cfg.to_dict()}))
+    write_manifest(step)  # sealed as save() seals one: a checkpoint without its manifest is refused first
     (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
     res = run_launch(["--run-dir", str(tmp_path), *TINY_MOE, "cluster.num_trainers=3"], timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]

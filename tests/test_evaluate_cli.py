@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_evaluate_cli.py -q
 import json
 from dataclasses import replace
 
+import pytest
 import torch
 from launch_helpers import run_script
 
@@ -52,6 +53,7 @@ def test_cli_writes_report_and_resumes(tmp_path):
     assert cli([*args[:-2], "--datasets", "nope", "--out", str(tmp_path / "e2")])[0] == 2
 
 
+@pytest.mark.slow  # a second CLI run (about 45 s on 2 cores); the first one above stays in the default suite
 def test_cli_autoregressive_baseline_gives_speedups(tmp_path):
     from evaluation.report import speedup_table
 

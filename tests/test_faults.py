@@ -2,7 +2,8 @@
 2 trainers, tiny random Qwen3-MoE target): a target worker and a trainer killed mid-run, and a SIGTERM then a
 resume, each against an unfaulted run with the same seed; a failure a restart would only repeat is reported once.
 
-Run: python -m pytest tests/test_faults.py -q     (about 5 minutes on 2 cores; -m slow adds the fatal-error test)
+Run: python -m pytest tests/test_faults.py -q     (about 1 minute on 2 cores: the killed workers; -m slow
+     adds the SIGTERM and the fatal-error tests, about 2 minutes)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def test_killed_target_worker_and_trainer_the_run_finishes_exactly_once(head, cl
     assert audit.samples_trained == 2 * STEPS * 4
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_and_resume_continues_the_curve(head, clean, tmp_path):
     run_dir = tmp_path / "preempted"
     rc, fired, log = FaultSchedule(head, ["--run-dir", str(run_dir), *COMMON], run_dir, [(5, "sigterm", None)]).run()

@@ -2,7 +2,8 @@
 samples file, bounded prefetch (backpressure), a re-requested batch produced again, a killed target worker
 restarted with its in-flight batch re-run, replay mode.
 
-Run: python -m pytest tests/test_feature_service.py -q
+Run: python -m pytest tests/test_feature_service.py -q     (-m slow adds the killed worker; the default suite's
+     fault run kills a target worker end to end)
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray, tmp_path):
         ray.kill(svc)
 
 
+@pytest.mark.slow
 def test_killed_target_worker_restarts_and_its_batch_is_rerun(local_ray, tmp_path):
     samples = _samples(20)
     svc = _service(samples, tmp_path, max_in_flight=1)

@@ -188,21 +188,6 @@ def test_anchors_depend_only_on_seed_and_sample_id():
     assert anchors_by_sample(bb3, stats3)[100] != ref[100]
 
 
-def test_max_blocks_keeps_a_reproducible_subset():
-    seqs = [(i, list(range(30)), [1] * 30) for i in range(10)]
-    full, full_stats = pack([feature_batch(seqs)], 4, 6, seed=0)
-    capped, stats = pack([feature_batch(seqs)], 4, 6, seed=0, max_blocks=17)
-    assert full_stats.blocks == 60 and stats.blocks == 17 and stats.blocks_capped == 43
-    ref = anchors_by_sample(full, full_stats)
-    got = anchors_by_sample(capped, stats)
-    assert all(set(p) <= set(ref[sid]) for sid, p in got.items())
-    # blocks stay ordered by (sequence, anchor position), like the uncapped batch
-    assert all(p == sorted(p) for p in got.values()) and (capped.block_seq_N.diff() >= 0).all()
-    assert stats.tokens == 30 * stats.sequences  # sequences left without a block are dropped
-    again, stats_again = pack([feature_batch(seqs[::-1])], 4, 6, seed=0, max_blocks=17)
-    assert anchors_by_sample(again, stats_again) == got
-
-
 # ---- errors and the baseline ---------------------------------------------------------------------------------
 
 def test_errors():
@@ -213,8 +198,6 @@ def test_errors():
         pack([fb], 3, 0, seed=0)
     with pytest.raises(ValueError, match="at least one"):
         pack([], 3, 4, seed=0)
-    with pytest.raises(ValueError, match="max_blocks"):
-        pack([fb], 3, 4, seed=0, max_blocks=0)
     hopeless = feature_batch([(0, [1], [1]), (1, [1, 2, 3], [1, 0, 0]), (2, [], [])])
     with pytest.raises(ValueError, match="no trainable block: every sequence is shorter than 2 tokens"):
         pack([hopeless], 3, 4, seed=0)

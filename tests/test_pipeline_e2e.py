@@ -2,7 +2,8 @@
 trainers (gloo) on a tiny random Qwen3-MoE target; resume after SIGKILL of the driver; one Ray/DeepSpeed trainer
 and --single-process log the same loss curve; `ray job submit`.
 
-Run: python -m pytest tests/test_pipeline_e2e.py -q     (about 7 minutes on 2 cores)
+Run: python -m pytest tests/test_pipeline_e2e.py -q     (about 70 s on 2 cores: the training run; -m slow adds the
+     resume, the trainer comparison and the job submission, about 4 minutes)
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def head():
     h.stop()
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, head):
     n = 5
     common = [*TINY_MOE, f"checkpoint.every_steps={n}", "checkpoint.export=false"]
@@ -98,6 +100,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, head):
     assert (killed / "checkpoints" / "latest").read_text().strip() == f"step_{2 * n:08d}"
 
 
+@pytest.mark.slow
 def test_ray_and_single_process_trainers_log_the_same_losses(tmp_path, head):
     """The shared loop (workers/trainer/loop.py) under its two deployments, 1 trainer rank, same config and data:
     Ray FeatureService + DeepSpeed ZeRO-2 vs in-process TargetWorker + TorchEngine. Equal to 1e-5 relative: fp32
@@ -120,6 +123,7 @@ def test_ray_and_single_process_trainers_log_the_same_losses(tmp_path, head):
         assert meta["data_position"]["next_batch_index"] == 8 and meta["config"]["cluster"]["num_trainers"] == 1
 
 
+@pytest.mark.slow
 def test_ray_job_submit(tmp_path, head):
     run_dir = tmp_path / "job"
     env = quiet_env()

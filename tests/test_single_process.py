@@ -6,7 +6,7 @@ same trainer, in this process.
 Step-for-step equality of its engine with DeepSpeed's is tests/test_trainer_step.py; of its loss curve with the
 Ray trainers', tests/test_pipeline_e2e.py.
 
-Run: python -m pytest tests/test_single_process.py -q     (about 60 s on 2 cores)
+Run: python -m pytest tests/test_single_process.py -q     (about 60 s on 2 cores; -m slow adds the killed run, 30 s)
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     assert "at step 20" in again.stderr and (run_dir / "metrics.jsonl").read_text().count("\n") == lines
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path):
     """SIGKILL after the step-n checkpoint, start again: steps n+1..2n log the losses of a run never stopped
     (to 1e-6: the same process kind, data, engine state and RNG; only the kill differs)."""

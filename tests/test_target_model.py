@@ -152,3 +152,16 @@ def test_direct_gguf_load_matches_converted_cache(smol, prompt_ids):
     assert tokenizer(PROMPT[0]["content"])["input_ids"] == smol[1](PROMPT[0]["content"])["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(model(prompt_ids).logits, smol[0](prompt_ids).logits, atol=1e-5, rtol=0)
+
+
+def test_stop_token_ids_are_the_generation_configs_and_the_tokenizers_together():
+    """One rule for regeneration and evaluation: a chat model's end-of-turn (generation config) and its tokenizer's
+    eos both end a reply."""
+    from types import SimpleNamespace as NS
+
+    from workers.target.model import stop_token_ids
+
+    assert stop_token_ids(NS(generation_config=NS(eos_token_id=[2, 5])), NS(eos_token_id=0)) == [0, 2, 5]
+    assert stop_token_ids(NS(generation_config=NS(eos_token_id=2)), NS(eos_token_id=2)) == [2]
+    assert stop_token_ids(NS(generation_config=NS(eos_token_id=None)), NS(eos_token_id=7)) == [7]
+    assert stop_token_ids(NS(), None) == []  # a bare module and no tokenizer: nothing stops a reply

@@ -91,7 +91,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
     if meta is not None:
         try:  # another trainer count: keep the checkpoint's global batch (workers/trainer/reshard.py)
-            adapt_to_checkpoint(cfg, meta, log)
+            cfg = adapt_to_checkpoint(cfg, meta, log)
         except ValueError as e:
             raise InputError(str(e)) from e
         check_resume(cfg, meta)

@@ -13,8 +13,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The tokenizer's chat template applied to `messages`, as text: the one rendering of the project (the data
+    stage's rows and masks, the regeneration prompts and the evaluator's chat prompts all go through it)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
+    """Token ids the target sees before writing its reply (the template's generation prompt included)."""
+    return list(tokenizer(render_text(tokenizer, prompt, True), add_special_tokens=False)["input_ids"])
 
 
 def render_chat(tokenizer, messages: list[dict], sample_name: str = "<unnamed>") -> tuple[np.ndarray, np.ndarray]:
@@ -26,7 +33,7 @@ def render_chat(tokenizer, messages: list[dict], sample_name: str = "<unnamed>")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"sample {sample_name}: message {j} must be a dict with string 'role' and 'content'")
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = render_text(tokenizer, messages, add_generation_prompt=False)
 
     spans: list[tuple[int, int, int]] = []  # (content_start, content_end, turn_end) in characters of `full`
     for i, m in enumerate(messages):
@@ -34,8 +41,8 @@ def render_chat(tokenizer, messages: list[dict], sample_name: str = "<unnamed>")
             continue
         if not m["content"].strip():
             raise ValueError(f"sample {sample_name}: assistant turn {i} is empty")
-        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
-        end_text = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        start = len(render_text(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
+        end_text = render_text(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not full.startswith(end_text):
             raise ValueError(f"sample {sample_name}: the chat template does not render turn {i} as a prefix of "
                              "the whole conversation; cannot locate the assistant tokens")

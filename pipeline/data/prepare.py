@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.atomic import write_text_atomic
-from pipeline.data.regenerate import Generator, GenParams
+from pipeline.data.regenerate import GenParams, ReplyGenerator
 from pipeline.data.rows import FORMAT_VERSION, REASONS, build_shard, file_digest, open_prompts
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def summarize(completed: dict) -> dict:
 
 
 def run_data_stage(inputs: list[str], tokenizer, out_dir: str | os.PathLike, *, max_len: int = 1024,
-                   params: GenParams | None = None, generator: Generator | None = None, batch_size: int = 8,
+                   params: GenParams | None = None, generator: ReplyGenerator | None = None, batch_size: int = 8,
                    shard_size: int = 256, target: str | None = None, split: str = "train",
                    progress_bar: bool = False) -> dict:
     """Write (or finish writing) the data-stage output for `inputs` into `out_dir`; returns the stats.

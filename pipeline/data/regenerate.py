@@ -4,7 +4,7 @@ learns the target's outputs.
 This module is the contract between the data stage and whatever runs the target: `GenParams` (how to sample),
 `Generation` (the exact token ids the target produced, up to and including its stop token; the data stage trains
 on those ids rather than on a re-tokenized decode, so the draft sees the target's own token boundaries),
-`batch_seed` and the `Generator` callable. The model part, `generate_batch`, and the two generators (in this
+`batch_seed` and the `ReplyGenerator` callable. The model part, `generate_batch`, and the two generators (in this
 process, or through TargetWorker actors) are workers/target/generation.py.
 
 Determinism: a batch is sampled under `torch.manual_seed(seed)` inside a forked RNG, with the seed derived from
@@ -59,4 +59,4 @@ def batch_seed(seed: int, row_id: str) -> int:
 # A generator maps [(seed, prompts)] batches to their replies, in order, or to the exception that batch raised (so
 # one failing batch is counted by the data stage instead of losing the others); how it runs them is its own business.
 Batches = list[tuple[int, list[list[int]]]]
-Generator = Callable[[Batches, GenParams], list[list[Generation] | Exception]]
+ReplyGenerator = Callable[[Batches, GenParams], list[list[Generation] | Exception]]

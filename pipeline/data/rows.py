@@ -46,8 +46,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.contracts import TokenizedSample
-from pipeline.data.chat import render_chat
-from pipeline.data.regenerate import Generation, Generator, GenParams, batch_seed
+from pipeline.data.chat import render_chat, render_prompt, render_text
+from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +173,6 @@ def split_turns(source_index: int, messages: list[dict], regenerate: bool) -> tu
 # ---- rendering --------------------------------------------------------------------------------------------------
 
 
-def _chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
-    """Token ids the target sees before writing its reply (the template's generation prompt included)."""
-    return tokenizer(_chat_text(tokenizer, prompt, True), add_special_tokens=False)["input_ids"]
-
-
 def render_row(tokenizer, prompt: list[dict], response: str, name: str = "<row>") -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, loss_mask) of prompt + the reply, training on the last assistant turn only."""
     messages = prompt + [{"role": "assistant", "content": response}]
@@ -189,8 +180,8 @@ def render_row(tokenizer, prompt: list[dict], response: str, name: str = "<row>"
     if any(m["role"] == "assistant" for m in prompt):
         # render_chat trains on every assistant turn; keep the tokens that end after the generation prompt of
         # the last one (its content starts there, so earlier turns' tokens all end at or before it).
-        head = _chat_text(tokenizer, prompt, True)
-        full = _chat_text(tokenizer, messages, False)
+        head = render_text(tokenizer, prompt, True)
+        full = render_text(tokenizer, messages, False)
         if not full.startswith(head):
             raise ValueError(f"sample {name}: the chat template does not render the prompt as a prefix of the "
                              "conversation; cannot tell the last assistant turn apart")
@@ -213,7 +204,7 @@ def _row_dict(spec: RowSpec, response: str, ids, mask, params: GenParams | None)
             "regenerated": params is not None, "generation": json.dumps(params.to_dict()) if params else None}
 
 
-def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams, generator: Generator,
+def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams, generator: ReplyGenerator,
                 batch_size: int, bad: Counter) -> list[dict]:
     prompts, kept = [], []
     for spec in specs:
@@ -265,7 +256,7 @@ def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokeni
 
 
 def build_shard(records: list[dict], first_index: int, tokenizer, max_len: int, params: GenParams | None = None,
-                generator: Generator | None = None, batch_size: int = 8) -> tuple[pa.Table, Counter]:
+                generator: ReplyGenerator | None = None, batch_size: int = 8) -> tuple[pa.Table, Counter]:
     """Rows of `records` (source indices first_index, ...) as a table in (source_index, turn_index) order, plus
     the counts of what was dropped and why."""
     if (params is None) != (generator is None):

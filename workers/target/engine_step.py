@@ -73,11 +73,11 @@ def profile(target_name: str, batch_sizes: list[int], requests: int, context: in
     from workers.target.model import load_target, resolve_target_path
 
     if requests < 1 or context < 1 or repeats < 1 or warmup < 0:
-        raise ValueError(f"need --requests >= 1, --context >= 1, --repeats >= 1, --warmup >= 0; got {requests}, "
-                         f"{context}, {repeats}, {warmup}")
+        raise ValueError(f"need requests >= 1, context >= 1, repeats >= 1 and warmup >= 0; got {requests}, {context}, "
+                         f"{repeats}, {warmup}")
     if batch_sizes[0] < requests:
-        raise ValueError(f"--batch-sizes must all be >= --requests ({requests}): every request verifies at least "
-                         f"one token per step; got {batch_sizes}")
+        raise ValueError(f"every batch size must be >= the number of requests ({requests}): each request verifies at "
+                         f"least one token per step; got batch sizes {batch_sizes}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -85,7 +85,7 @@ def profile(target_name: str, batch_sizes: list[int], requests: int, context: in
         dtype_name = "bfloat16" if dev.type == "cuda" else "float32"
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype must be a torch dtype name such as float32 or bfloat16, got {dtype_name!r}")
+        raise ValueError(f"the target dtype must be a torch dtype name such as float32 or bfloat16, got {dtype_name!r}")
     model, _ = load_target(resolve_target_path(target_name), dtype=dtype)
     model.to(dev)
     step = EngineStep(model, requests, context)

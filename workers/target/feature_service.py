@@ -73,9 +73,6 @@ class FeatureService:
         vocab, hidden, layers = ray.get(self._workers[0].info.remote())
         return {"vocab_size": vocab, "hidden_size": hidden, "num_layers": layers}
 
-    def num_samples(self) -> int:
-        return len(self._samples)
-
     def embedding_weights(self) -> list[ray.ObjectRef]:
         """[ref] to (embed_VD, lm_head_VD) CPU tensors; wrapped in a list so Ray does not resolve it here."""
         return [self._workers[0].embedding_weights.remote()]

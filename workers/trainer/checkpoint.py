@@ -40,7 +40,7 @@ from pipeline.metrics import get_logger
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
-FORMAT = 2  # meta.json["format"]: 2 = manifest.json written last; absent = written before manifests existed
+FORMAT = 2  # meta.json["format"] and manifest.json["format"]: 2 = manifest.json written last
 VERIFY_MODES = ("full", "size")  # full: sizes and sha256 of every file; size: existence and sizes only
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -74,32 +74,17 @@ def write_manifest(ckpt_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-def _is_legacy(path: Path) -> bool:
-    """Written by the code before manifests: meta.json without a "format" key, no manifest.json."""
-    if (path / MANIFEST).exists():
-        return False
-    try:
-        return "format" not in json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
-
-
 def checkpoint_problem(path: Path, verify: str = "full") -> str | None:
     """Why `path` is not a usable checkpoint, as one phrase naming the file; None if it is.
 
     Checks that every file in manifest.json exists with its recorded size and (verify="full") its sha256. Files
     that are not in the manifest are ignored: the manifest answers "is everything that was saved still intact".
-    A checkpoint from before manifests (meta.json without "format", no manifest.json) passes unverified:
-    that code's rename-after-complete already guaranteed it was whole when written, and refusing it would strand
-    runs started before this change; `latest()` says it was not verified. A checkpoint whose meta.json has a
-    format but no manifest.json lost it, and fails."""
+    A checkpoint without manifest.json lost it (save() writes it last, before the commit rename), and fails."""
     assert verify in VERIFY_MODES, verify
     if not path.is_dir():
         return "the directory does not exist"
     if not (path / "meta.json").is_file():
         return "meta.json is missing"
-    if _is_legacy(path):
-        return None
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
         entries = [(str(rel), int(want["size"]), str(want["sha256"])) for rel, want in files.items()]
@@ -163,9 +148,6 @@ class CheckpointManager:
             if problem is None:
                 if i > 0:
                     self.log.warning("using %s, the newest checkpoint that verifies", path.name)
-                if _is_legacy(path):
-                    self.log.warning("%s has no %s (written before manifests): resuming from it unverified",
-                                     path.name, MANIFEST)
                 return path
             first_problem = first_problem or f"{path.name}: {problem}"
             self.log.warning("checkpoint %s is unusable: %s; falling back to an older one", path.name, problem)

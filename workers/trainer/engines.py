@@ -44,7 +44,7 @@ def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, 
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
         # torch's AdamW (no C++ op build on machines without a prebuilt FusedAdam), in its fused kernel (CPU and
-        # CUDA): one pass per tensor instead of about a dozen; on the CPU step bench's v4 draft 30 -> 9 ms per step
+        # CUDA): one pass per tensor instead of about a dozen (docs/design-notes.md, "Measured kernels")
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "weight_decay": t.weight_decay,
                                                   "torch_adam": True, "fused": True}},
         "scheduler": {"type": "WarmupCosineLR", "params": {

@@ -132,14 +132,14 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                 batches.start(step + 1)  # overlaps the next step's fetch with this step's compute
             t_data = time.time() - t0
 
-            acc, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
+            rank_sums, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
             for mb in micro:
                 ledger.record(step + 1, mb.batch_index, rank, world, mb.sample_ids)
             if micro and micro[0].batch.input_ids_T.is_cuda:
                 torch.cuda.synchronize()  # so that dt is the step's time, not the time to queue its kernels
             # the ranks' votes ride on the metrics' all-reduce, so all of them act after the same step
             notice = poll() if poll is not None else Notice()
-            *totals, stop_votes, ckpt_votes = all_reduce_sum([*acc.values(), float(notice.stop),
+            *totals, stop_votes, ckpt_votes = all_reduce_sum([*rank_sums.values(), float(notice.stop),
                                                               float(notice.checkpoint)])
             metrics = step_metrics(totals, global_w, cfg, world, time.time() - t0, t_data, engine.get_lr()[0],
                                    step + 1)

@@ -4,7 +4,8 @@ Trainer rank r of R at step s, micro-step m of A consumes feature batch (s*A + m
 the loss is normalised by the global Σw (workers/trainer/step.optimizer_step), so keeping A*R fixed keeps the set of
 feature batches of every step and, up to float summation order, the update. Two pieces make that work:
 
-- the driver (`adapt_to_checkpoint`, before any worker starts) sets train.grad_accum to A_old*R_old / R_new, and
+- the driver (`adapt_to_checkpoint`, before any worker starts) runs a config whose train.grad_accum is
+  A_old*R_old / R_new, and
   refuses a trainer count that does not divide the checkpoint's global batch or a ZeRO stage that cannot reshard;
 - each trainer rank (`universal_source` + `load_universal`, so a Ray Train FailureConfig restart that resolves
   its own checkpoint gets it too) converts a checkpoint written by another world size with DeepSpeed's
@@ -32,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,16 +75,17 @@ def check_stage(cfg: RunConfig, meta: dict[str, Any]) -> None:
                          f"(docs/elastic-resume.md); resume on {r_old} trainers")
 
 
-def adapt_to_checkpoint(cfg: RunConfig, meta: dict[str, Any], log: logging.Logger) -> None:
-    """Driver side, before check_resume: set train.grad_accum so the global batch stays the checkpoint's (a
-    grad_accum given on the command line is overridden: the global batch is what a resume must keep)."""
+def adapt_to_checkpoint(cfg: RunConfig, meta: dict[str, Any], log: logging.Logger) -> RunConfig:
+    """Driver side, before check_resume: the config to resume with, `cfg` with the train.grad_accum that keeps the
+    checkpoint's global batch on this trainer count (a grad_accum given on the command line is overridden: the
+    global batch is what a resume must keep). `cfg` itself is left as it was given."""
     check_stage(cfg, meta)
     ga = elastic_grad_accum(cfg, meta)
     r_old, a_old = saved_world(meta)
     if (r_old, a_old) != (cfg.cluster.num_trainers, ga) or ga != cfg.train.grad_accum:
         log.info("elastic resume: %d trainers x grad_accum %d (checkpoint: %d x %d, global batch %d)",
                  cfg.cluster.num_trainers, ga, r_old, a_old, r_old * a_old)
-        cfg.train.grad_accum = ga
+    return replace(cfg, train=replace(cfg.train, grad_accum=ga))
 
 
 def universal_source(path: str | Path | None, cfg: RunConfig, rank: int, world: int) -> Path | None:

@@ -83,11 +83,11 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
     if cfg.train.precision == "bf16" and not on_gpu:
-        raise InputError("train.precision=bf16 (autocast) on a CPU is 30-70x slower than fp32 on CPUs without "
-                         "AMX: set train.precision=fp32, or run on a GPU")
+        raise InputError("train.precision=bf16 (autocast) on a CPU is many times slower than fp32 on CPUs without "
+                         "AMX (docs/design-notes.md): set train.precision=fp32, or run on a GPU")
     if cfg.target.tp_size > 1:
-        raise InputError(f"--single-process holds the whole target in this process: target.tp_size must be 1, "
-                         f"got {cfg.target.tp_size} (target groups need the Ray pipeline)")
+        raise InputError(f"the single-process trainer holds the whole target in this process: target.tp_size must "
+                         f"be 1, got {cfg.target.tp_size} (target groups need the Ray pipeline)")
     meta = json.loads((Path(resume_from) / "meta.json").read_text()) if resume_from is not None else None
     if meta is not None:
         check_resume(cfg, meta)

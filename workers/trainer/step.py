@@ -21,7 +21,7 @@ from torch import nn
 
 from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
-from draft_model.loss import LossParts, expected_tau, output_loss
+from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
 from pipeline.config import RunConfig
 from pipeline.contracts import FeatureBatch
 from pipeline.order import batches_per_epoch
@@ -141,7 +141,7 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
     (global_w,) = all_reduce_sum([local_w])
     scale = world * len(micro)
     loss_cfg = engine.module.loss_cfg
-    acc = dict.fromkeys(("trained", "wire", "useful", "computed", "blocks"), 0.0)
+    counts = dict.fromkeys(("trained", "wire", "useful", "computed", "blocks"), 0.0)  # tokens, bytes, blocks
     device_sums = None  # ce, tv, conf, aux, tau_sum summed on the device: one transfer per step, not five per micro
     for (bb, stats, wire_bytes, _, _), n_N in zip(micro, lengths):
         parts = as_loss_parts(engine(bb), loss_cfg)
@@ -158,18 +158,19 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
         device_sums = sums if device_sums is None else device_sums + sums
         for key, value in (("trained", int(n_N.sum())), ("wire", wire_bytes), ("useful", stats.useful_block_tokens),
                            ("computed", stats.computed_block_tokens), ("blocks", blocks)):
-            acc[key] += value
+            counts[key] += value
     apply_moe_balance(engine.module)  # once per optimizer step, from the whole global batch's load
     ce, tv, conf, aux, tau = device_sums.tolist() if device_sums is not None else [0.0] * 5
-    return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": acc["trained"], "wire": acc["wire"],
-            "useful": acc["useful"], "computed": acc["computed"], "tau_sum": tau, "blocks": acc["blocks"]}, global_w
+    return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": counts["trained"], "wire": counts["wire"],
+            "useful": counts["useful"], "computed": counts["computed"], "tau_sum": tau,
+            "blocks": counts["blocks"]}, global_w
 
 
 def host_weight_sum(valid_len_N: np.ndarray, block_size: int, decay_lambda: float) -> float:
-    """Σ of `position_weights` over blocks with these valid-prefix lengths, on the host (fp64)."""
-    if decay_lambda <= 0:
-        raise ValueError(f"decay lambda must be > 0, got {decay_lambda}")
-    cum_K1 = np.concatenate([[0.0], np.cumsum(np.exp(-np.arange(block_size) / decay_lambda))])
+    """Σ of `position_weights` over blocks with these valid-prefix lengths, on the host (fp64): the weights are
+    the loss's own, so the step's denominator is the sum of what the loss weighs."""
+    w_K = position_weights(torch.ones(block_size, dtype=torch.bool), decay_lambda, dtype=torch.float64).numpy()
+    cum_K1 = np.concatenate([[0.0], np.cumsum(w_K)])
     return float(cum_K1[valid_len_N].sum())
 
 

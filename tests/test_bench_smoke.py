@@ -1,0 +1,114 @@
+"""Every benchmark in bench/ still runs: each script with its smallest arguments, as a subprocess, as a user runs it,
+and its figure line (the last line it prints) has the shape that bench promises. The numbers themselves are not
+checked (a smoke run is too small to mean anything), except where the shape is a correctness claim: the fault bench
+must report no duplicate and no lost sample.
+
+Every run takes from half a minute (packing, loss memory) to several minutes (faults, drafters) on 2 cores, so
+they are all `slow`; the default suite only checks that no bench script lacks a case here.
+
+Run: python -m pytest tests/test_bench_smoke.py -q -m slow     (about 25 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch_helpers import REPO, TINY_MOE, quiet_env
+
+BENCH = REPO / "bench"
+# modules the scripts share, not measurements: they have no figure line
+HELPERS = {"launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sweep_summary"}
+# benches this suite does not run, with the reason (none today: every bench runs on the CPU with what CI installs,
+# the SmolLM2 wheel and the evaluation prompt sets of the README's install line included)
+EXCLUDED: dict[str, str] = {}
+
+NUM = r"\d+(?:\.\d+)?"
+SCI = r"\d\.\d{2}e[-+]\d+"
+# name -> (arguments, the regex its figure line must match in full, timeout in seconds). {tmp} is a fresh directory.
+CASES: dict[str, tuple[list[str], str, int]] = {
+    "packing": (["--anchors", "8", "--seq-per-batch", "4", "--batches-per-pack", "1"],
+                rf"packing_density={NUM} padded={NUM} ratio={NUM}", 300),
+    "loss_memory": (["--anchors", "8", "--vocab", "512", "--hidden", "64", "--rank", "8", "--probe-anchors", "4"],
+                    rf"peak_memory chunked/naive={NUM} time chunked/naive={NUM} values_max_rel_diff={SCI}", 300),
+    "step": (["--seqs", "1", "--seq-len", "256", "--anchors", "4", "--vocab", "512", "--hidden", "64", "--steps", "1",
+              "--repeats", "1"],
+             rf"step full_ctx time old/new={NUM} peak_mem old/new={NUM} swa time old/new={NUM} util={NUM}", 600),
+    "target_parallel": (["--batches", "1", "--samples", "2", "--seq-len", "32"],
+                        rf"target_parallel tp=2 max_abs_diff={SCI} per_rank_param_bytes tp2/tp1={NUM} "
+                        rf"feature_tok_s tp2/tp1={NUM}", 600),
+    "transport": (["--steps", "1", *TINY_MOE],
+                  rf"bytes_per_trained_token hidden={NUM} logits=\d+ ratio logits/hidden={NUM}x", 600),
+    "pipeline_overlap": (["--steps", "1", "--warmup", "1", *TINY_MOE],
+                         rf"pipeline_tok_s={NUM} target_only={NUM} trainer_only={NUM} "
+                         rf"ratio pipeline/min\(parts\)={NUM}", 900),
+    "regenerate_throughput": (["--max-new-tokens", "4", "--batch-sizes", "4"],
+                              rf"batch 4: +{NUM} s \| \d+ new tokens \| +{NUM} tok/s \| \d+/\d+ finished", 600),
+    "heldout_acceptance": (["a={tmp}/a", "b={tmp}/b", "--target", "tiny-qwen3-moe", "--prompts", "1", "--max-new", "4",
+                            "--anchors", "4", "--cache", "{tmp}/replies.pt"],
+                           rf"a - b: expected tau [-+]{NUM} \+- {NUM} \(standard error over \d+ sequences\)", 600),
+    "faults": (["--quick", "--out", "{tmp}/faults"],
+               rf"faults samples_trained=\d+ duplicates=0 lost=0 max_loss_diff={SCI} slowdown={NUM}", 1200),
+    "scheduling": (["--quick", "--work-dir", "{tmp}/work"],
+                   rf"scheduling alg1/best_static@knee={NUM} async/best_static@knee={NUM} worst_over_sweep={NUM} "
+                   rf"per_user dspark/mtp1@matched_throughput={NUM}", 3600),
+    # the data stage of bench/scheduling.py --quick (QUICK_TRAIN): fewer prompts or shorter replies leave no reply
+    # that finishes within its budget, and the data stage drops unfinished ones
+    "drafters": (["--scale", "cpu", "--work-dir", "{tmp}/work", "--drafters", "dspark", "dflash", "eagle3",
+                  "--steps", "2", "--temperatures", "1.0", "--trainer", "single",
+                  "--scale-set", "train_prompts=16", "regen_max_new=32", "regen_batch=8", "regen_ray=false",
+                  "eval_prompts=1", "eval_max_new=8", "anchors_per_seq=8", "trainers=1"],
+                 rf"tau_ratio dspark/dflash={NUM} dspark/eagle3={NUM}", 1800),
+    # llama.cpp b11434 is built first (bench/llamacpp.py, cached under ~/.cache/dspark: tens of minutes once)
+    "serve_llamacpp": (["--quick", "--steps", "2", "--run-dir", "{tmp}/run"],
+                       rf"serve engine=llama\.cpp tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} "
+                       rf"rounds_equal_T0={NUM} controls_caught=\d controls=3 tau_engine_T1={NUM} tau_ours_T1={NUM} "
+                       rf"agreement_T1={NUM} speedup_T0={NUM} speedup_T1={NUM}", 3600),
+    # speculators lives in its own venv (SPEC_VENV, made once here: its transformers pin conflicts with ours)
+    "speculators_roundtrip": (["--venv", "{venv}"],
+                              rf"speculators_roundtrip variants=4 max_abs_dlogit={SCI} max_abs_dconf={SCI} pass=4/4 "
+                              rf"control_caught=6/6", 1800),
+}
+SPEC_VENV = Path.home() / ".cache" / "dspark" / "specvenv"
+
+
+def _scripts() -> set[str]:
+    return {p.stem for p in BENCH.glob("*.py")} - HELPERS
+
+
+def test_every_bench_script_has_a_smoke_case():
+    assert _scripts() == set(CASES) | set(EXCLUDED), "add the new bench to CASES (or EXCLUDED, with the reason)"
+    assert not set(CASES) & set(EXCLUDED)
+
+
+def _prepare(name: str, tmp: Path) -> None:
+    if name == "heldout_acceptance":  # it compares exported drafts: two untrained ones on the tiny MoE target
+        from test_evaluate_cli import export_untrained_draft
+
+        for d in ("a", "b"):
+            export_untrained_draft(tmp / d)
+    if name == "serve_llamacpp":
+        import llamacpp
+
+        llamacpp.build()
+    if name == "speculators_roundtrip" and not (SPEC_VENV / "bin" / "python").is_file():
+        pip = str(SPEC_VENV / "bin" / "pip")
+        subprocess.run([sys.executable, "-m", "venv", str(SPEC_VENV)], check=True)
+        subprocess.run([pip, "install", "speculators==0.9.0", "torch==2.13.0"], check=True)
+        subprocess.run([pip, "uninstall", "-y", "torchvision", "torchaudio"], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bench_prints_its_figure_line(name, tmp_path):
+    args, pattern, timeout = CASES[name]
+    _prepare(name, tmp_path)
+    cmd = [sys.executable, str(BENCH / f"{name}.py"), *(a.format(tmp=tmp_path, venv=SPEC_VENV) for a in args)]
+    res = subprocess.run(cmd, cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    lines = res.stdout.strip().splitlines()
+    assert lines, res.stderr[-3000:]
+    assert re.fullmatch(pattern, lines[-1].strip()), (lines[-1], pattern)
