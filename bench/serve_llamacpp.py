@@ -75,7 +75,8 @@ def unfaithful_export(legacy: Path, out: Path, facts: dict, mask_token_id: int) 
     import torch
     from safetensors.torch import save_file
 
-    from serving.engine_export import engine_config, engine_tensors, read_export
+    from pipeline.export import read_export
+    from serving.engine_export import engine_config, engine_tensors
 
     cfg, state, _ = read_export(legacy)
     as_if = replace(cfg, qk_norm=True, mask="token", mask_token_id=mask_token_id)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from draft_model.config import DraftConfig
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig, config_from_dict
 
@@ -28,32 +29,49 @@ def export_meta(cfg: RunConfig) -> dict[str, Any]:
     return {"draft": cfg.draft.to_dict(), "target": cfg.target.path, "format": "dspark-draft-v1"}
 
 
-def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:
-    """Write the trained draft as model.safetensors + config.json (without the target's embedding/LM head)."""
+def write_export_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], files: dict[str, str],
+                     metadata: dict[str, str] | None = None) -> Path:
+    """`out_dir` replaced atomically by model.safetensors (`tensors`) and the text `files` (name -> contents): a
+    reader sees the old directory or the complete new one. Every export format is written through it."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata=metadata)
+    for name, text in files.items():
+        (tmp / name).write_text(text)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
 
 
-def load_exported_draft(export_dir: str | Path, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> torch.nn.Module:
-    """Rebuild a draft written by `export_draft` on the target's frozen embedding and LM head (eval mode)."""
+def export_draft(state_dict: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write the trained draft as model.safetensors + config.json (without the target's embedding/LM head)."""
+    return write_export_dir(out_dir, state_dict, {"config.json": json.dumps(config, indent=1)})
+
+
+def read_export(export_dir: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(draft config, state dict, config.json) of a directory written by `export_draft`."""
     from safetensors.torch import load_file
 
     d = Path(export_dir)
     if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
         raise FileNotFoundError(f"{d} is not an exported draft (needs config.json and model.safetensors)")
     meta = json.loads((d / "config.json").read_text())
-    cfg = config_from_dict({"draft": meta["draft"]}).draft
+    if "draft" not in meta:
+        raise ValueError(f"{d}/config.json has no 'draft' section: not a dspark-train export")
+    return config_from_dict({"draft": meta["draft"]}).draft, load_file(str(d / "model.safetensors")), meta
+
+
+def load_exported_draft(export_dir: str | Path, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> torch.nn.Module:
+    """Rebuild a draft written by `export_draft` on the target's frozen embedding and LM head (eval mode)."""
+    cfg, state, _ = read_export(export_dir)
     model = build_draft(cfg, embed_VD, lm_head_VD)
-    missing, unexpected = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{d}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ValueError(f"{export_dir}: weights do not match the config (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]})")
     return model.eval()

@@ -24,15 +24,13 @@ projections into `joint_proj`); nothing is approximated.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draft_model.config import FINAL_HIDDEN, DraftConfig
-from pipeline.config import config_from_dict
+from pipeline.export import read_export, write_export_dir
 
 FORMATS = ("deepspec", "speculators")
 STS_FILE = "sts_calibration.json"
@@ -161,25 +159,10 @@ def sts_calibration(temperatures: list[float], meta: dict[str, Any]) -> dict[str
             "ece_after": mean(meta.get("held_out_ece_after"))}
 
 
-def read_export(export_dir: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """(draft config, state dict, config.json) of our own export (pipeline/export.py)."""
-    from safetensors.torch import load_file
-
-    d = Path(export_dir)
-    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{d} is not an exported draft (needs config.json and model.safetensors)")
-    meta = json.loads((d / "config.json").read_text())
-    if "draft" not in meta:
-        raise ValueError(f"{d}/config.json has no 'draft' section: not a dspark-train export")
-    return config_from_dict({"draft": meta["draft"]}).draft, load_file(str(d / "model.safetensors")), meta
-
-
 def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, target: dict[str, Any],
                         drop_confidence: bool = False) -> Path:
     """Write `export_dir` (our format) as `fmt` into `out_dir` (replaced atomically): config.json,
     model.safetensors and, when the export was calibrated, sts_calibration.json."""
-    from safetensors.torch import save_file
-
     from serving.calibration import load_calibration
 
     cfg, state, _ = read_export(export_dir)
@@ -187,20 +170,12 @@ def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, t
     if cfg.mask_token_id < 0 or not cfg.vocab_size:
         raise NotServable(f"{export_dir}: the draft config was never resolved against a target (mask_token_id "
                           f"{cfg.mask_token_id}, vocab_size {cfg.vocab_size})")
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(engine_tensors(state, cfg, drop_confidence), str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(engine_config(cfg, fmt, target, drop_confidence), indent=2) + "\n")
+    files = {"config.json": json.dumps(engine_config(cfg, fmt, target, drop_confidence), indent=2) + "\n"}
     calibration = Path(export_dir) / "calibration.json"
     if calibration.is_file() and cfg.confidence and not drop_confidence:
         temps, meta = load_calibration(calibration)
-        (tmp / STS_FILE).write_text(json.dumps(sts_calibration(temps.tolist(), meta), indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+        files[STS_FILE] = json.dumps(sts_calibration(temps.tolist(), meta), indent=2) + "\n"
+    return write_export_dir(out_dir, engine_tensors(state, cfg, drop_confidence), files, metadata={"format": "pt"})
 
 
 def target_facts(target_dir: str | Path, name_or_path: str | None = None) -> dict[str, Any]:
@@ -214,19 +189,19 @@ def target_facts(target_dir: str | Path, name_or_path: str | None = None) -> dic
             "architectures": tc.get("architectures") or [], "name_or_path": name_or_path or str(target_dir)}
 
 
-def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str | Path | None, target_name: str,
+def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str | Path, target_name: str,
                     log) -> dict[str, Path]:
     """The end of a run: `<run_dir>/export-<format>` for every format the draft can be served in; one log line per
     format saying where it went or why not (nothing raised: our own export is already written)."""
     written: dict[str, Path] = {}
     try:
-        facts = target_facts(target_dir, target_name) if target_dir is not None else None
+        facts = target_facts(target_dir, target_name)
     except (FileNotFoundError, KeyError, ValueError) as e:
         log.info("engine export skipped: %s (launch/export_draft.py can write it later)", e)
         return written
     for fmt in FORMATS:
         try:
-            written[fmt] = write_engine_export(export_dir, fmt, Path(run_dir) / f"export-{fmt}", facts or {})
+            written[fmt] = write_engine_export(export_dir, fmt, Path(run_dir) / f"export-{fmt}", facts)
             log.info("exported the draft for serving engines (%s format) to %s", fmt, written[fmt])
         except NotServable as e:
             log.info("no %s export: %s", fmt, str(e).split(": ", 1)[-1])
