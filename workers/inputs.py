@@ -58,9 +58,6 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
 
 def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
     """The target's path and the training samples, after every check that needs no worker (InputError if bad)."""
-    if cfg.data.max_len <= cfg.draft.block_size:
-        raise InputError(f"data.max_len ({cfg.data.max_len}) must exceed draft.block_size ({cfg.draft.block_size}): "
-                         "a sequence needs an anchor and at least one token after it")
     try:
         target_path = resolve_target_path(cfg.target.path)
     except FileNotFoundError as e:
