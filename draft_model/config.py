@@ -286,15 +286,16 @@ class LossConfig:
     decay_lambda: float = 4.0  # w_k = exp(-(k-1)/lambda), k = 1..gamma
     chunk_rows: int = 256  # block positions whose vocabulary-sized tensors are alive at once
     # dtype of the loss's fp32 LM-head matmuls (softmaxes, CE and L1 are fp32 either way; fp64 reference inputs
-    # stay fp64). bfloat16 (the default): faster matmuls on a CPU with AMX and on tensor-core GPUs, one more
-    # (bf16) chunk buffer beside the fp32 ones, logits to bf16 precision; no measurable acceptance cost
-    # (docs/design-notes.md). float32 on a CPU without native bf16 matmuls (no AMX / AVX512-BF16), where bf16
-    # would be slower
-    matmul_dtype: str = "bfloat16"
+    # stay fp64). bfloat16: faster matmuls on a CPU with AMX or AVX512-BF16 and on tensor-core GPUs, one more (bf16)
+    # chunk buffer beside the fp32 ones, logits to bf16 precision; no measurable acceptance cost
+    # (docs/design-notes.md). On any other CPU bf16 is emulated and many times slower than float32. auto (the
+    # default): bfloat16 where the trainer's device multiplies bf16 natively, else float32
+    # (draft_model/precision.py); the trainer resolves it once and saves the choice, which a resume keeps
+    matmul_dtype: str = "auto"
 
     RANGES: ClassVar[dict[str, Range]] = {
         "ce_weight": at_least(0), "tv_weight": at_least(0), "conf_weight": at_least(0), "decay_lambda": above(0),
-        "chunk_rows": at_least(1), "matmul_dtype": one_of("float32", "bfloat16"),
+        "chunk_rows": at_least(1), "matmul_dtype": one_of("auto", "float32", "bfloat16"),
     }
 
     def validate(self) -> None:
