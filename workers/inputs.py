@@ -44,7 +44,8 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
         elif cfg.data.source.endswith(".parquet") or Path(cfg.data.source).is_dir():  # launch/prepare_data.py output
             samples = load_parquet_corpus(cfg.data.source, max_len=cfg.data.max_len, num_samples=cfg.data.num_samples)
         else:
-            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len)[:cfg.data.num_samples]
+            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len,
+                                        num_samples=cfg.data.num_samples)
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from e
     if not samples:
