@@ -67,12 +67,20 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
     assert draft.cfg.head == "markov" and draft.head_w2().abs().max() > 0  # the head trained
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    # loss.matmul_dtype=auto: resolved from this CPU, said in the log, saved resolved (a resume keeps it)
+    from draft_model.precision import resolve_matmul_dtype
+
+    dtype, why = resolve_matmul_dtype("auto", "cpu")
+    assert f"loss matmuls: {dtype} ({why})" in res.stderr
+    meta = json.loads((run_dir / "checkpoints" / "step_00000020" / "meta.json").read_text())
+    assert meta["config"]["loss"]["matmul_dtype"] == dtype
     lines = (run_dir / "metrics.jsonl").read_text().count("\n")
     # run again on the finished run dir: it resumes at its last step, trains nothing more, exports again
     again = _run(["--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=20", "train.lr=3e-3",
                   "train.head_lr_scale=5"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "at step 20" in again.stderr and (run_dir / "metrics.jsonl").read_text().count("\n") == lines
+    assert f"loss matmuls: {dtype} (auto: kept from step_00000020, where the run chose it)" in again.stderr
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
 from workers.trainer.engines import resumed_engine
 from workers.trainer.loop import MicroBatch, all_gather, barrier, fit
+from workers.trainer.precision import describe as describe_dtype
+from workers.trainer.precision import loss_matmul_dtype
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
@@ -124,6 +127,11 @@ def _train(loop_config: dict[str, Any]) -> None:
     # Rank 0 decides (verifying it) and tells the others, so that all ranks load the same one.
     (latest,) = all_gather(str(ckpts.latest() or "") if rank == 0 else None)[:1]
     resume_from = Path(latest) if latest else None
+    # rank 0's device decides an `auto` loss dtype for every rank (one numerics per run), or its checkpoint does
+    (matmul,) = all_gather(loss_matmul_dtype(cfg.loss.matmul_dtype, device, resume_from) if rank == 0 else None)[:1]
+    cfg.loss = replace(cfg.loss, matmul_dtype=matmul[0])
+    if rank == 0:
+        log.info("%s", describe_dtype(*matmul))
     engine, start_step, ledger, _ = resumed_engine(DraftWithLoss(draft, cfg.loss), cfg, ckpts, resume_from, rank,
                                                    world, log, loop_config["samples_digest"])
 

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.engines import TorchEngine
 from workers.trainer.loop import MicroBatch, fit, resume
+from workers.trainer.precision import describe as describe_dtype
+from workers.trainer.precision import loss_matmul_dtype
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
@@ -105,6 +108,9 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
         cfg.draft = cfg.draft.resolved_for_target(vocab, hidden, layers)
     except ValueError as e:
         raise InputError(str(e)) from e
+    dtype, why = loss_matmul_dtype(cfg.loss.matmul_dtype, dev, resume_from)
+    cfg.loss = replace(cfg.loss, matmul_dtype=dtype)  # saved resolved in every checkpoint: a resume keeps it
+    log.info("%s", describe_dtype(dtype, why))
     torch.manual_seed(cfg.train.seed)
     embed_VD, lm_head_VD = worker.embedding_weights()
     module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
