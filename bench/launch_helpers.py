@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,18 +87,29 @@ class LoopbackHead:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()  # --block: ray stops the processes it started when this one is terminated
+            # Every process of this head (GCS, raylet, dashboard, workers) is in the process group `ray start` leads
+            # (start_new_session above). SIGTERM to the whole group stops them side by side; terminating only
+            # `ray start --block` makes it stop them one by one, each with its own grace period (half a minute).
+            _signal_group(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+                pass
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         # `ray start` wrote this head's address to /tmp/ray/ray_current_cluster, where Ray's address "auto" looks
         # first; left behind, it sends later local clusters' Ray Train placement-group cleaner to a dead GCS (a
         # traceback mid-run). Remove it if it still names this head.
         current = Path("/tmp/ray/ray_current_cluster")
         if current.is_file() and current.read_text().strip() == self.address:
             current.unlink(missing_ok=True)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the whole group has exited
+        pass
 
 
 def _port_open(port: int) -> bool:
