@@ -65,7 +65,7 @@ def use_loopback_interface() -> None:
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
 
 
-def serve_store(host: str, world_size: int, timeout: timedelta) -> Any:
+def serve_store(host: str, world_size: int | None, timeout: timedelta) -> Any:
     """A TCPStore server (rank 0's) listening on `host` only, on a free port (`.port`). It keeps the socket: the
     process must hold the store as long as the group lives."""
     import torch.distributed as dist
