@@ -101,7 +101,7 @@ def test_local_run_listens_on_loopback_only(tmp_path):
         names = {p.pid: p for p in procs}
         for addr, pid in _listening(list(names)).items():
             try:
-                seen.setdefault(addr, " ".join(names[pid].cmdline()[:2])[:80])
+                seen.setdefault(addr, os.path.basename(names[pid].cmdline()[0]))  # gcs_server, ray::IDLE, ...
             except psutil.NoSuchProcess:
                 pass
         time.sleep(0.3)
