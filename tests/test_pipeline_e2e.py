@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import LAUNCH, REPO, TINY_MOE, LoopbackHead, quiet_env, run_launch
+from launch_helpers import LAUNCH, RAY_CLI, REPO, TINY_MOE, LoopbackHead, quiet_env, run_launch
 
 from pipeline.metrics import read_jsonl_metrics
 
@@ -92,8 +92,8 @@ def test_ray_and_single_process_trainers_log_the_same_losses(tmp_path, head):
 def test_ray_job_submit(tmp_path, head):
     run_dir = tmp_path / "job"
     env = quiet_env()
-    cmd = ["ray", "job", "submit", f"--address=http://127.0.0.1:{head.dashboard_port}", f"--working-dir={REPO}",
-           "--", "python", "launch/train_v4_draft.py", "--run-dir", str(run_dir), "--max-steps", "3", *TINY_MOE,
+    cmd = [*RAY_CLI, "job", "submit", f"--address=http://127.0.0.1:{head.dashboard_port}", f"--working-dir={REPO}",
+           "--", sys.executable, "launch/train_v4_draft.py", "--run-dir", str(run_dir), "--max-steps", "3", *TINY_MOE,
            "checkpoint.every_steps=3"]
     deadline = time.time() + 180
     while True:  # the head's job agent comes up some seconds after its dashboard port opens

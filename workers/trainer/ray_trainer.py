@@ -137,9 +137,11 @@ def _train(loop_config: dict[str, Any]) -> None:
 
     sink = NullSink()
     if rank == 0:
-        sinks = [JsonlSink(os.path.join(cfg.checkpoint.run_dir, "metrics.jsonl"))]
+        # the rows and events of steps past start_step came from a run that crashed after its last checkpoint:
+        # they go, so the record holds one curve (pipeline/metrics.drop_rows_after)
+        sinks = [JsonlSink(os.path.join(cfg.checkpoint.run_dir, "metrics.jsonl"), resume_step=start_step)]
         if cfg.train.tensorboard:
-            sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard")))
+            sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard"), resume_step=start_step))
         sink = MultiSink(*sinks)
     batches = FeatureServiceBatches(loop_config["service"], cfg, rank, world, loop_config["num_samples"], device)
     control = loop_config["control"]

@@ -126,7 +126,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     start_step, ledger = resume(engine, ckpts, resume_from, 0, log, samples_digest)
 
     save_config(cfg, run_dir / "config.yaml")
-    sink = JsonlSink(str(run_dir / "metrics.jsonl"))
+    sink = JsonlSink(str(run_dir / "metrics.jsonl"), resume_step=start_step)  # rows past the checkpoint go
     log.info("single-process training of a %s draft (%d layers, head %s, gamma %d) on %s for %d steps; %d samples;"
              " %s", cfg.draft.arch, cfg.draft.num_layers, cfg.draft.head, cfg.draft.block_size, dev,
              cfg.train.max_steps, len(samples), f"resuming from {resume_from}" if resume_from else "fresh start")
