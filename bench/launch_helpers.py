@@ -98,7 +98,7 @@ class LoopbackHead:
             # `ray start --block` makes it stop them one by one, each with its own grace period (half a minute).
             _signal_group(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
             _signal_group(self.proc.pid, signal.SIGKILL)
