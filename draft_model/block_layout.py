@@ -72,8 +72,8 @@ def group_layout(host: BlockHost, window: int, block_size: int, device: torch.de
     pos_RC = lo_R[:, None] + np.arange(C)[None, :]  # position inside the sequence
     in_range_RC = pos_RC < hi_R[:, None]
     token_RC = host.seq_start_S1[seq_R][:, None] + pos_RC
-    # only the rows some group reads get fused, projected and rotated: under a sliding window, anchors sparser
-    # than the window leave most of a long sequence unread
+    # only the rows some group reads get fused, projected and rotated: under a sliding window, rows that no
+    # anchor's window covers are never read
     ctx_row_U = np.unique(token_RC[in_range_RC]) if in_range_RC.any() else np.zeros(1, dtype=np.int64)
     key_row_RC = np.where(in_range_RC, np.searchsorted(ctx_row_U, token_RC), 0)
 
