@@ -32,7 +32,6 @@ those. docs/fault-tolerance.md ("One driver per run dir") has the whole rule.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import socket
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline.errors import InputError
+from pipeline.metrics import get_logger
 
 LEASE_FILE = "lease.json"
 LEASE_BYTES = 1024  # fixed width: a renewal rewrites the record in place, whole
@@ -50,7 +50,7 @@ TTL_S = 30.0  # a lease not renewed for this long (6 missed heartbeats) is stale
 CLAIM_PREFIX = "lease.claim."  # lease.claim.<generation>: made exclusively by the one driver taking over
 CLAIM_GRACE_S = 10.0  # a claim older than this belongs to a taker that died before it finished
 
-log = logging.getLogger(__name__)
+log = get_logger("dspark.lease")
 
 
 class RunDirInUse(InputError):
