@@ -39,7 +39,6 @@ import torch
 from pipeline.atomic import fsync_dir, sha256_file, write_text_atomic
 from pipeline.metrics import get_logger
 from workers.lease import LeaseLost
-from workers.trainer.ledger import LEDGER_FILE, read_ledger
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -159,11 +158,15 @@ def checkpoint_problem(path: Path, verify: str = "full") -> str | None:
         int(json.loads((path / "meta.json").read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"meta.json does not parse ({type(e).__name__})"
-    if verify == "full" and (path / LEDGER_FILE).is_file():
-        try:
-            read_ledger(path / LEDGER_FILE)
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds; any is "unreadable"
-            return f"{LEDGER_FILE} does not read ({type(e).__name__})"
+    if verify == "full":  # the sample ledger (workers/trainer/ledger.py) and any other table saved with it
+        import pyarrow.parquet as pq
+
+        for rel, _, _ in entries:
+            if rel.endswith(".parquet"):
+                try:
+                    pq.read_table(path / rel)
+                except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds; any is "unreadable"
+                    return f"{rel} does not read ({type(e).__name__})"
     return None
 
 
