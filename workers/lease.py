@@ -300,6 +300,9 @@ class Lease:
                 if self.created_dir and [p.name for p in self.run_dir.iterdir()] == [LEASE_FILE]:
                     self.path.unlink()
                     self.run_dir.rmdir()  # a run refused before it wrote anything leaves nothing behind
+        except (OSError, InputError) as e:  # the exit goes on; the next driver takes the lease once it is stale
+            log.warning("could not release the lease of run dir %s (%s); the next driver takes it over after %.0f s",
+                        self.run_dir, e, self.ttl_s)
         finally:
             os.close(self._fd)
 
