@@ -180,3 +180,19 @@ def test_a_foreign_lease_file_is_one_line(tmp_path):
     (tmp_path / LEASE_FILE).write_text("hello")
     with pytest.raises(RunDirUnusable, match="is not a lease this code wrote"):
         Lease.acquire(tmp_path)
+
+
+def test_a_lease_that_missed_two_heartbeats_is_waited_for_not_refused(tmp_path):
+    """A driver restarted on another node right after the old one died (a RayJob retry) would otherwise fail for
+    up to the ttl; it waits for the lease to expire and takes over. A renewal meanwhile ends the wait: refused."""
+    Lease.acquire(tmp_path / "dead", heartbeat=False, ttl_s=1.0, renew_s=0.1)  # never renewed
+    time.sleep(0.25)
+    t0 = time.time()
+    with Lease.acquire(tmp_path / "dead", ttl_s=1.0, renew_s=0.1, heartbeat=False) as lease:
+        assert lease.generation == 2 and 0.5 < time.time() - t0 < 2.0
+
+    slow = Lease.acquire(tmp_path / "slow", ttl_s=1.0, renew_s=0.6)  # alive, renewing every 0.6 s
+    time.sleep(0.3)
+    with pytest.raises(RunDirInUse):  # waited (0.3 s > two of the taker's 0.1 s heartbeats), then saw a renewal
+        Lease.acquire(tmp_path / "slow", ttl_s=1.0, renew_s=0.1, heartbeat=False)
+    slow.release()

@@ -20,7 +20,8 @@ those. docs/fault-tolerance.md ("One driver per run dir") has the whole rule.
   renewed for TTL_S = 6 missed heartbeats; or held by a pid that no longer runs on this same machine) is taken
   over with generation + 1: the taker first claims that generation exclusively (`link` to lease.claim.<gen>; of
   racing takers one wins), re-reads lease.json to be sure it still holds the record judged stale, and renames its
-  own record over it (atomic: lease.json is never missing).
+  own record over it (atomic: lease.json is never missing). A lease that already missed two heartbeats is waited
+  for (up to TTL_S) rather than refused: a driver restarted on another node right after the old one died succeeds.
 - renew: the holder rewrites its record in place through the descriptor it holds (pwrite + fsync), so a lease
   that was taken over (its inode replaced) is never resurrected by its old holder; then it re-reads lease.json
   by name, and another token there means the lease was lost (`Lease.lost`).
@@ -216,11 +217,22 @@ class Lease:
         created = _check_dir(run_dir)
         path = run_dir / LEASE_FILE
         token = secrets.token_hex(8)
-        for _ in range(50):  # a race with another taker: look again
+        waited_for = None  # the holder whose lease we wait to expire
+        for _ in range(50 + int(ttl_s / min(renew_s, ttl_s) * 2)):  # races with other takers, and the wait below
             now = time.time()
             current = read_lease(path)
             if current is not None and stale_because(current, now, ttl_s) is None:
-                raise RunDirInUse(in_use_message(run_dir, current, now, ttl_s))
+                age = now - current.renewed_at
+                if age <= 2 * renew_s or (waited_for is not None and waited_for != current.token):
+                    raise RunDirInUse(in_use_message(run_dir, current, now, ttl_s))
+                # two heartbeats missed (its driver died on another node, say: a RayJob's retry): wait for the
+                # ttl rather than fail a restart that would succeed seconds later; a renewal ends the wait
+                if waited_for is None:
+                    log.warning("run dir %s: its lease (%s) was last renewed %.0f s ago; waiting up to %.0f s for it "
+                                "to expire", run_dir, current.holder(), age, ttl_s - age)
+                waited_for = current.token
+                time.sleep(min(renew_s / 2, max(0.01, ttl_s - age)))
+                continue
             held = current.generation if current is not None else 0
             claims = _claims(run_dir)
             if any(g > held and now - t < CLAIM_GRACE_S for g, t in claims.items()):
