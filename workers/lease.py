@@ -291,7 +291,7 @@ class Lease:
                 try:
                     if not self.renew():
                         return
-                except OSError as e:  # a file system hiccup: the next beat tries again
+                except (OSError, InputError) as e:  # a file system hiccup, a torn read: the next beat tries again
                     log.warning("could not renew the lease of run dir %s: %s", self.run_dir, e)
 
         self._thread = threading.Thread(target=beat, name="run-dir-lease", daemon=True)
