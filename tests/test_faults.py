@@ -100,9 +100,12 @@ def test_a_failure_a_restart_would_repeat_is_reported_once_not_retried(head, tmp
     assert out.count("Started training worker group") == 2, out[-4000:]
 
 
-def _start(head: LoopbackHead, run_dir: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    """The launch script in the background on `run_dir`; its output goes to <run_dir>.<n>.log."""
-    log = run_dir.parent / f"{run_dir.name}.{len(list(run_dir.parent.glob(run_dir.name + '.*.log')))}.log"
+def _start(head: LoopbackHead, run_dir: Path, *extra: str, log_dir: Path | None = None,
+           ) -> tuple[subprocess.Popen, Path]:
+    """The launch script in the background on `run_dir`; its output goes to <log_dir, by default the run dir's
+    parent>/<run dir's name>.<n>.log."""
+    log_dir = log_dir or run_dir.parent
+    log = log_dir / f"{run_dir.name}.{len(list(log_dir.glob(run_dir.name + '.*.log')))}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(LAUNCH), "--run-dir", str(run_dir), *COMMON, *extra], cwd=REPO,
                                 env=quiet_env(RAY_ADDRESS=head.address), stdout=out, stderr=subprocess.STDOUT)
@@ -195,7 +198,7 @@ def test_a_disk_that_fills_up_during_a_save_is_one_line_not_retried(head, tmp_pa
         pytest.skip("needs root to mount a small tmpfs")
     try:
         run_dir = mnt / "run"
-        proc, log = _start(head, run_dir)
+        proc, log = _start(head, run_dir, log_dir=tmp_path)  # the log off the disk that fills up
         try:
             _wait_for("step 5", lambda: logged_steps(run_dir) >= 5 or proc.poll() is not None)
             free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
@@ -208,6 +211,7 @@ def test_a_disk_that_fills_up_during_a_save_is_one_line_not_retried(head, tmp_pa
             proc.kill()
         out = log.read_text()
         line = out.strip().splitlines()[-1]
+        line = line[line.find("error: "):]  # a worker's unfinished log line may precede it on that line
         assert re.fullmatch(rf"error: training failed: StorageError: cannot save checkpoint step_00000008 under "
                             rf"{re.escape(str(run_dir))}/checkpoints: the disk is full \(ENOSPC\); the last "
                             r"checkpoint, step_00000004, needed [\d.]+ MiB, [\d.]+ MiB free now; removed the partial "
