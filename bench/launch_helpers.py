@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +45,11 @@ def run_launch(args: list[str], timeout: float = 600, env: dict[str, str] | None
     return run_script(LAUNCH.name, args, timeout, env)
 
 
+# The ray CLI of the interpreter running this file: `ray` from PATH may be another install's, or missing when a
+# venv's python is run without activating the venv (`venv/bin/python bench/faults.py`).
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,13 +57,14 @@ def free_port() -> int:
 
 
 class LoopbackHead:
-    """`ray start --head --block` on 127.0.0.1, held by its own process handle; `stop()` ends what it started."""
+    """`ray start --head --block` on 127.0.0.1 (this interpreter's Ray: RAY_CLI), held by its own process handle;
+    `stop()` ends what it started."""
 
     def __init__(self, num_cpus: int = 4, dashboard: bool = False) -> None:
         self.port = free_port()
         self.dashboard_port = free_port()
         self.temp_dir = Path(f"/tmp/ray-test-{self.port}")
-        cmd = ["ray", "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
+        cmd = [*RAY_CLI, "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
                f"--num-cpus={num_cpus}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
         if dashboard:
             # the job agent's HTTP port too: its default (52365) is taken by any other Ray cluster on the machine
@@ -76,7 +83,7 @@ class LoopbackHead:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray head exited: {self.proc.stdout.read()}")
-            probe = subprocess.run(["ray", "status", f"--address={self.address}"], env=self.env,
+            probe = subprocess.run([*RAY_CLI, "status", f"--address={self.address}"], env=self.env,
                                    capture_output=True, text=True)
             if probe.returncode == 0 and (not dashboard or _port_open(self.dashboard_port)):
                 return
@@ -86,18 +93,29 @@ class LoopbackHead:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()  # --block: ray stops the processes it started when this one is terminated
+            # Every process of this head (GCS, raylet, dashboard, workers) is in the process group `ray start` leads
+            # (start_new_session above). SIGTERM to the whole group stops them side by side; terminating only
+            # `ray start --block` makes it stop them one by one, each with its own grace period (half a minute).
+            _signal_group(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+                pass
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         # `ray start` wrote this head's address to /tmp/ray/ray_current_cluster, where Ray's address "auto" looks
         # first; left behind, it sends later local clusters' Ray Train placement-group cleaner to a dead GCS (a
         # traceback mid-run). Remove it if it still names this head.
         current = Path("/tmp/ray/ray_current_cluster")
         if current.is_file() and current.read_text().strip() == self.address:
             current.unlink(missing_ok=True)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the whole group has exited
+        pass
 
 
 def _port_open(port: int) -> bool:

@@ -12,7 +12,8 @@ checkout it falls back to this tree's reference path (`draft.attn_impl=gather`, 
 tree's default (`attn_impl=packed`: one context range per sequence, a mask built once per forward and shared by the
 layers; context keys only for the rows some block reads; RoPE tables once per forward; host-side indices; the
 vocabulary loss's elementwise chain in cache-sized row blocks and kept buffers; the larger default loss chunk; the
-loss's LM-head matmuls in bf16, `loss.matmul_dtype=bfloat16`). Both see the same seeded batch and weights, and the
+loss's LM-head matmuls in `loss.matmul_dtype=auto`: bf16 on a CPU with AMX or AVX512-BF16, fp32
+elsewhere, where "new" and its float32 line time the same step). Both see the same seeded batch and weights, and the
 optimizer its tree's trainers build (torch's AdamW; fused in "new").
 Timing: per preset, one long-lived subprocess per variant builds the model and batch and takes one warm-up step;
 then the variants are asked in turn for --steps steps (forward, backward, AdamW), --repeats rounds, so that old and

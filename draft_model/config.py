@@ -8,13 +8,124 @@ Conventions:
   (0 = embedding output, i = output of decoder layer i); the special value -1 means the target's final
   pre-LM-head hidden state (post final norm: exactly what the LM head multiplies).
 - `hidden_size` must equal the target's hidden size: the draft reuses the target's frozen embedding and LM head.
+- Every field's allowed values are stated once, in its class's `RANGES` table (a `Range` per field), and checked by
+  `check_ranges` (the run config's sections in pipeline/config.py use the same two); `validate` adds the checks
+  between fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar
 
 FINAL_HIDDEN = -1  # marker in DraftConfig.target_layers: the target's pre-LM-head state
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one config field allows. A number must be finite and within [lo, hi] (either end open or absent),
+    or one of `also` (special values such as -1 = no limit, explained by `note`); `choices` lists every allowed
+    value instead (a callable: computed when checked). A list field states `length` or `nonempty` and its items
+    obey the rest; a mapping's values do; a string with `nonempty` must not be empty. `free` = anything of the
+    field's type (the type itself is checked when the config is built)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple | Callable[[], Sequence] | None = None
+    also: tuple = ()
+    note: str = ""
+    length: int | None = None
+    nonempty: bool = False
+    free: bool = False
+
+    def _choices(self) -> tuple:
+        return tuple(self.choices() if callable(self.choices) else self.choices)
+
+    def allows_item(self, v: Any) -> bool:
+        if self.free or v in self.also:
+            return True
+        if self.choices is not None:
+            return v in self._choices()
+        if isinstance(v, str):
+            return bool(v) or not self.nonempty
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+            return False
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        return lo_ok and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
+
+    def allows(self, value: Any) -> bool:
+        if isinstance(value, list):
+            if (self.length is not None and len(value) != self.length) or (self.nonempty and not value):
+                return False
+            return all(self.allows_item(v) for v in value)
+        if isinstance(value, dict):
+            return all(self.allows_item(v) for v in value.values())
+        return self.allows_item(value)
+
+    def describe(self, shape: str = "") -> str:
+        """The allowed values in words, as the refusal quotes them: '>= 1', 'in [0, 1)', 'one of [...]'; `shape`
+        "list" or "dict" words it for a list field's items or a mapping's values."""
+        if self.choices is not None:
+            text = f"one of {list(self._choices())}"
+        elif self.lo is not None and self.hi is not None:
+            text = f"in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        elif self.hi is not None:
+            text = f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
+        else:
+            text = "a non-empty string" if self.nonempty else "anything"
+        if self.also:
+            text += f", or {' or '.join(map(str, self.also))}" + (f" ({self.note})" if self.note else "")
+        elif self.note:
+            text += f" ({self.note})"
+        if shape == "list":
+            count = f"{self.length} values" if self.length is not None else (
+                "a non-empty list" if self.nonempty else "a list")
+            return f"{count}, each {text}"
+        if shape == "dict":
+            return f"a mapping whose values are each {text}"
+        return text
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def at_least(lo: float, **kw: Any) -> Range:
+    return Range(lo=lo, **kw)
+
+
+def above(lo: float, **kw: Any) -> Range:
+    return Range(lo=lo, lo_open=True, **kw)
+
+
+def one_of(*choices: Any, **kw: Any) -> Range:
+    return Range(choices=choices, **kw)
+
+
+TEXT = Range(nonempty=True)  # a non-empty string
+FREE = Range(free=True)  # any value of the field's type
+SEED = Range(lo=0, hi=2**32 - 1)  # numpy's generators want >= 0; 32 bits seed every RNG we use (numpy, torch)
+
+
+def check_ranges(cfg: Any, where: str) -> None:
+    """ValueError naming the key and its allowed values for the first field of `cfg` (a config dataclass) outside
+    its `RANGES` entry. Nested config dataclasses and booleans are left to their own checks; a field without an
+    entry is a bug (tests/test_config.py holds every config class to a complete table)."""
+    table = type(cfg).RANGES
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value) or isinstance(value, bool):
+            continue
+        spec = table[f.name]
+        if not spec.allows(value):
+            shape = "list" if isinstance(value, list) else "dict" if isinstance(value, dict) else ""
+            raise ValueError(f"{where}.{f.name} must be {spec.describe(shape)}, got {value!r}")
 
 
 @dataclass
@@ -34,12 +145,16 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax"
 
-    def validate(self) -> None:
-        if self.num_experts < 1 or not (1 <= self.top_k <= self.num_experts):
-            raise ValueError(f"moe: need 1 <= top_k <= num_experts, got top_k={self.top_k}, "
-                             f"num_experts={self.num_experts}")
-        if self.score_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"moe.score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
+    RANGES: ClassVar[dict[str, Range]] = {
+        "num_experts": at_least(1), "top_k": at_least(1), "num_shared_experts": at_least(0),
+        "expert_intermediate_size": at_least(1), "bias_update_rate": at_least(0), "aux_loss_coef": at_least(0),
+        "score_func": one_of("sigmoid", "softmax"),
+    }
+
+    def validate(self, where: str = "draft.moe") -> None:
+        check_ranges(self, where)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{where}.top_k ({self.top_k}) must be <= {where}.num_experts ({self.num_experts})")
 
 
 @dataclass
@@ -78,6 +193,20 @@ class DraftConfig:
     mask_token_id: int = -1  # mask="token": a target token id the data never holds; -1 = chosen at launch from the
     #                          target's tokenizer and chat template (pipeline/mask_token.py)
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "arch": Range(choices=lambda: _registered_archs()), "vocab_size": at_least(0, note="0 = the target's"),
+        "hidden_size": at_least(0, note="0 = the target's"),
+        "target_layers": at_least(0, also=(FINAL_HIDDEN,), note="the final pre-LM-head state", nonempty=True),
+        "block_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1), "num_kv_heads": at_least(1),
+        "head_dim": at_least(0, note="0 = hidden_size // num_heads"),
+        "intermediate_size": at_least(0, note="0 = 4 * hidden_size"), "ffn": one_of("dense", "moe"),
+        "residual": one_of("plain", "mhc"), "mhc_streams": at_least(1), "mhc_sinkhorn_iters": at_least(1),
+        "sliding_window": at_least(0, note="0 = all"), "attn_impl": one_of("packed", "gather"),
+        "head": one_of("none", "markov", "rnn"), "head_rank": at_least(1), "rnn_state_size": at_least(1),
+        "rope_theta": above(0), "rms_norm_eps": above(0), "mask": one_of("learned", "token"),
+        "mask_token_id": at_least(0, also=(-1,), note="chosen at launch"),
+    }
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
@@ -87,33 +216,17 @@ class DraftConfig:
         return self.intermediate_size or 4 * self.hidden_size
 
     def validate(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"draft.block_size must be >= 1, got {self.block_size}")
-        if self.ffn not in ("dense", "moe"):
-            raise ValueError(f"draft.ffn must be 'dense' or 'moe', got {self.ffn!r}")
-        if self.residual not in ("plain", "mhc"):
-            raise ValueError(f"draft.residual must be 'plain' or 'mhc', got {self.residual!r}")
-        if self.head not in ("none", "markov", "rnn"):
-            raise ValueError(f"draft.head must be 'none', 'markov' or 'rnn', got {self.head!r}")
-        if not self.target_layers:
-            raise ValueError("draft.target_layers must name at least one target layer (-1 = final hidden state)")
-        if self.attn_impl not in ("packed", "gather"):
-            raise ValueError(f"draft.attn_impl must be 'packed' or 'gather', got {self.attn_impl!r}")
-        if self.sliding_window < 0:
-            raise ValueError(f"draft.sliding_window must be >= 0, got {self.sliding_window}")
+        check_ranges(self, "draft")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"draft.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
         if self.hidden_size and not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"draft.hidden_size ({self.hidden_size}) not divisible by num_heads ({self.num_heads}); "
                              "set draft.head_dim")
-        if self.ffn == "moe":
-            self.moe.validate()
-        if self.mask not in ("learned", "token"):
-            raise ValueError(f"draft.mask must be 'learned' or 'token', got {self.mask!r}")
-        if self.mask_token_id < -1 or (self.vocab_size and self.mask_token_id >= self.vocab_size):
+        self.moe.validate()  # its ranges hold whether or not ffn=moe uses it
+        if self.vocab_size and self.mask_token_id >= self.vocab_size:
             raise ValueError(f"draft.mask_token_id must be -1 (chosen at launch) or a token id in "
-                             f"0..{self.vocab_size - 1 if self.vocab_size else 'vocab-1'}, got {self.mask_token_id}")
+                             f"0..{self.vocab_size - 1}, got {self.mask_token_id}")
         if self.mask == "token" and self.arch != "dspark":
             raise ValueError(f"draft.mask='token' is the block mask slot of arch 'dspark'; draft.arch={self.arch!r} "
                              "has no mask slots (use draft.mask=learned)")
@@ -173,19 +286,29 @@ class LossConfig:
     decay_lambda: float = 4.0  # w_k = exp(-(k-1)/lambda), k = 1..gamma
     chunk_rows: int = 256  # block positions whose vocabulary-sized tensors are alive at once
     # dtype of the loss's fp32 LM-head matmuls (softmaxes, CE and L1 are fp32 either way; fp64 reference inputs
-    # stay fp64). bfloat16 (the default): faster matmuls on a CPU with AMX and on tensor-core GPUs, one more
-    # (bf16) chunk buffer beside the fp32 ones, logits to bf16 precision; no measurable acceptance cost
-    # (docs/design-notes.md). float32 on a CPU without native bf16 matmuls (no AMX / AVX512-BF16), where bf16
-    # would be slower
-    matmul_dtype: str = "bfloat16"
+    # stay fp64). bfloat16: faster matmuls on a CPU with AMX or AVX512-BF16 and on tensor-core GPUs, one more (bf16)
+    # chunk buffer beside the fp32 ones, logits to bf16 precision; no measurable acceptance cost
+    # (docs/design-notes.md). On any other CPU bf16 is emulated and many times slower than float32. auto (the
+    # default): bfloat16 where the trainer's device multiplies bf16 natively, else float32
+    # (draft_model/precision.py); the trainer resolves it once and saves the choice, which a resume keeps
+    matmul_dtype: str = "auto"
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "ce_weight": at_least(0), "tv_weight": at_least(0), "conf_weight": at_least(0), "decay_lambda": above(0),
+        "chunk_rows": at_least(1), "matmul_dtype": one_of("auto", "float32", "bfloat16"),
+    }
 
     def validate(self) -> None:
-        if self.decay_lambda <= 0:
-            raise ValueError(f"loss.decay_lambda must be > 0, got {self.decay_lambda}")
-        if self.chunk_rows < 1:
-            raise ValueError(f"loss.chunk_rows must be >= 1, got {self.chunk_rows}")
-        if self.matmul_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"loss.matmul_dtype must be float32 or bfloat16, got {self.matmul_dtype!r}")
+        check_ranges(self, "loss")
+        if self.ce_weight == self.tv_weight == self.conf_weight == 0:
+            raise ValueError("loss.ce_weight, loss.tv_weight and loss.conf_weight are all 0: nothing would train; "
+                             "give at least one a weight > 0")
+
+
+def _registered_archs() -> list[str]:
+    from draft_model.registry import DRAFTS  # filled by draft_model/__init__.py, which every import runs first
+
+    return sorted(DRAFTS)
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> list[int]:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draft_model.config import LossConfig
+from draft_model.precision import resolve_matmul_dtype
 
 if TYPE_CHECKING:
     from draft_model.batch import BlockBatch
@@ -346,9 +347,11 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
 
     w_M = rows_of(w_NK)
     # the vocabulary-sized matmuls run in the LM head's dtype (an autocast backbone may hand over another): no-op
-    # casts otherwise, so W2 stays the parameter itself; or in bf16 (cfg.matmul_dtype, the default), except for the
-    # fp64 of reference checks
-    bf16 = cfg.matmul_dtype == "bfloat16" and lm_head_VD.dtype != torch.float64
+    # casts otherwise, so W2 stays the parameter itself; or in bf16 (cfg.matmul_dtype; `auto` = bf16 where the
+    # device multiplies it natively, resolved by the trainer before it gets here), except for the fp64 of
+    # reference checks
+    matmul_dtype = resolve_matmul_dtype(cfg.matmul_dtype, hidden_NKD.device)[0]
+    bf16 = matmul_dtype == "bfloat16" and lm_head_VD.dtype != torch.float64
     dtype = torch.bfloat16 if bf16 else lm_head_VD.dtype
     lm_head_VD = lm_head_VD.to(dtype)
     rows = (rows_of(hidden_NKD).to(dtype), rows_of(target_hidden_NKD).detach().to(dtype), lm_head_VD,

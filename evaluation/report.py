@@ -4,7 +4,8 @@
 drafter / temperature) and writes
 - report.json       every metric of every run (generations left out),
 - report.md         one table row per (dataset, run),
-- acceptance.png    per-position conditional acceptance, one panel per dataset, one line per run,
+- acceptance.png    per-position conditional acceptance, one panel per dataset, one line per run with a draft
+                    (each point labelled with its number of rounds, with its 95% Wilson score interval),
 - generations.jsonl the generated tokens/text of every prompt (one line per prompt);
 and `tau_table` / `speedup_table` give the console tables of τ and of end-to-end speed-ups (printed by
 launch/evaluate_draft.py).
@@ -18,7 +19,8 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["json_safe", "run_label", "speedup_table", "tau_table", "write_report"]
+__all__ = ["acceptance_figure", "json_safe", "run_label", "speedup_table", "tau_table", "wilson_interval",
+           "write_report"]
 
 
 # ---- report files -------------------------------------------------------------------------------------------
@@ -46,6 +48,22 @@ def json_safe(x):
     return x
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (z = 1.96: 95%); (nan, nan) for n = 0.
+
+    Unlike p ± z·sqrt(p(1−p)/n) it stays inside [0, 1] and does not collapse to a point at p = 0 or 1: one accepted
+    round of one gives [0.21, 1], not [1, 1]."""
+    if not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n, got {successes} of {n}")
+    if n == 0:
+        return math.nan, math.nan
+    p, z2 = successes / n, z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
 def _markdown(runs: list[dict]) -> str:
     lines = ["| dataset | drafter | τ | conditional acceptance k=1..γ | target fwd | tok/fwd | wall s | tok/s "
              "| ECE | ROC-AUC |",
@@ -56,18 +74,32 @@ def _markdown(runs: list[dict]) -> str:
             m = r["datasets"].get(ds)
             if m is None:
                 continue
-            acc = " ".join(_fmt(a, 2) for a in m["cond_acceptance"])
+            reached = m.get("reached") or [None] * len(m["cond_acceptance"])
+            acc = " ".join(_fmt(a, 2) + ("" if n is None else f" ({n})") for a, n in zip(m["cond_acceptance"], reached))
             lines.append(f"| {ds} | {run_label(r)} | {_fmt(m['tau'])} ± {_fmt(m['tau_sem'])} | {acc} "
                          f"| {m['target_forwards']} | {_fmt(m['tokens_per_forward'], 2)} | {_fmt(m['wall_s'], 1)} "
                          f"| {_fmt(m['tokens_per_s'], 1)} | {_fmt(m['ece'])} | {_fmt(m['roc_auc'])} |")
     notes = ["", "τ = accepted draft tokens + 1 per verification round (mean ± standard error). Conditional "
-             "acceptance at k = P(token k accepted | tokens 1..k−1 accepted); '–' where no round reached k. "
+             "acceptance at k = P(token k accepted | tokens 1..k−1 accepted), with the number of rounds that "
+             "reached k in parentheses; '–' where no round reached k. "
              "target fwd counts prefills and verification rounds. ECE (10 bins) and ROC-AUC compare the "
              "drafter's conditional confidence c_k with acceptance at every reached position."]
     return "\n".join(lines + notes) + "\n"
 
 
-def _plot(runs: list[dict], path: Path) -> None:
+def _points(m: dict) -> list[tuple[int, float, int | None]]:
+    """(k, conditional acceptance, rounds that reached k) of every position some round reached; the count is None
+    in results cached before it was recorded."""
+    reached = m.get("reached") or [None] * len(m["cond_acceptance"])
+    return [(k, a, n) for k, (a, n) in enumerate(zip(m["cond_acceptance"], reached), start=1)
+            if a is not None and not math.isnan(a)]
+
+
+def acceptance_figure(runs: list[dict]):
+    """The figure of acceptance.png: per dataset a panel, per run with a draft a line of its conditional acceptance
+    by position, each point labelled with its number of rounds and drawn with its 95% Wilson interval, so that a
+    position two rounds reached does not pass for a measured 1.00. A run with no position (the target alone) has no
+    line and no legend entry."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -76,21 +108,40 @@ def _plot(runs: list[dict], path: Path) -> None:
     datasets = list(dict.fromkeys(ds for r in runs for ds in r["datasets"]))
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
     for ax, ds in zip(axes[0], datasets):
-        for r in runs:
-            m = r["datasets"].get(ds)
-            if m is None:
-                continue
-            acc = [math.nan if a is None else a for a in m["cond_acceptance"]]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{run_label(r)}  τ={m['tau']:.2f}")
+        drawn = [(r, _points(r["datasets"][ds])) for r in runs if ds in r["datasets"]]
+        drawn = [(r, pts) for r, pts in drawn if pts]
+        for i, (r, pts) in enumerate(drawn):
+            ks = [k for k, _, _ in pts]
+            ps = [a for _, a, _ in pts]
+            lo_hi = [wilson_interval(round(a * n), n) if n else (a, a) for _, a, n in pts]
+            yerr = [[a - lo for a, (lo, _) in zip(ps, lo_hi)], [hi - a for a, (_, hi) in zip(ps, lo_hi)]]
+            bars = ax.errorbar(ks, ps, yerr=yerr, marker="o", markersize=4, capsize=3, elinewidth=0.8,
+                               label=f"{run_label(r)}  τ={r['datasets'][ds]['tau']:.2f}")
+            color = bars.lines[0].get_color()
+            for k, a, n in pts:
+                if n is not None:  # stacked per run so that the runs' labels at one k do not overlap
+                    ax.annotate(f"n={n}", (k, a), xytext=(5, -10 - 8 * i), textcoords="offset points", fontsize=6,
+                                color=color)
         ax.set_title(ds)
-        ax.set_xlabel("draft position k")
+        ax.set_xlabel("draft position k  (n: rounds reaching k; bars: 95% Wilson)", fontsize=8)
         ax.set_ylabel("P(accept k | 1..k−1 accepted)")
-        ax.set_xticks(range(1, max(len(r["datasets"][ds]["cond_acceptance"]) for r in runs
-                                   if ds in r["datasets"]) + 1))
+        gamma = max([len(r["datasets"][ds]["cond_acceptance"]) for r in runs if ds in r["datasets"]] + [1])
+        ax.set_xticks(range(1, gamma + 1))
+        ax.set_xlim(0.6, gamma + 0.6)  # room for the labels right of the last position
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no draft position reached", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
+    return fig
+
+
+def _plot(runs: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = acceptance_figure(runs)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

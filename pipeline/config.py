@@ -11,7 +11,9 @@
 
 Loaded from YAML (`load_config(path, overrides)`); dotted command-line overrides (`train.lr=3e-4`) are applied to
 the raw mapping before it is turned into dataclasses, so one strict path validates both. Unknown keys fail with
-the list of valid ones. The resolved tree is saved with every checkpoint (`to_dict`).
+the list of valid ones. Every field's allowed values are one `Range` in its section's `RANGES` table
+(draft_model/config.py states the kinds); `RunConfig.validate` checks them all, then what one field asks of
+another. The resolved tree is saved with every checkpoint (`to_dict`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
-from draft_model.config import DraftConfig, LossConfig
+from draft_model.config import FREE, SEED, TEXT, DraftConfig, LossConfig, Range, above, at_least, check_ranges, one_of
+
+_DTYPES = ("bfloat16", "float16", "float32")
+_NO_LIMIT = {"also": (-1,), "note": "no limit"}
 
 
 @dataclass
@@ -56,6 +61,14 @@ class TargetConfig:
     # then fails with a message naming the batch instead of hanging
     batch_timeout_s: float = 1800.0
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "path": TEXT, "dtype": one_of(*_DTYPES), "wire_dtype": one_of(*_DTYPES), "num_workers": at_least(1),
+        "tp_size": at_least(1), "cpus_per_worker": at_least(0), "gpus_per_worker": at_least(0),
+        "device_map": one_of("", "auto", "balanced", "balanced_low_0", "sequential"),
+        "resources_per_worker": at_least(0), "max_tokens_per_forward": at_least(1),
+        "max_restarts": at_least(0, **_NO_LIMIT), "batch_timeout_s": above(0),
+    }
+
 
 @dataclass
 class DataConfig:
@@ -73,6 +86,12 @@ class DataConfig:
     max_in_flight: int = 4  # feature batches produced ahead of the trainers (backpressure bound)
     replay_batches: int = 0  # > 0: run the target on this many batches once, then train on them in a loop
     #                          (trainer-only throughput, debugging); 0 = stream live features
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "source": TEXT, "num_samples": at_least(1), "max_len": at_least(2), "samples_per_batch": at_least(1),
+        "anchors_per_seq": at_least(1), "seed": SEED, "max_in_flight": at_least(1),
+        "replay_batches": at_least(0, note="0 = live features"),
+    }
 
 
 @dataclass
@@ -96,6 +115,13 @@ class TrainConfig:
     log_every: int = 1
     tensorboard: bool = True
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_steps": at_least(1), "lr": above(0), "head_lr_scale": above(0), "min_lr_ratio": Range(lo=0, hi=1),
+        "warmup_steps": at_least(0), "weight_decay": at_least(0), "betas": Range(lo=0, hi=1, hi_open=True, length=2),
+        "grad_clip": at_least(0, note="0 = off"), "grad_accum": at_least(1), "zero_stage": one_of(0, 1, 2, 3),
+        "precision": one_of("fp32", "bf16"), "seed": SEED, "log_every": at_least(1),
+    }
+
 
 @dataclass
 class ClusterConfig:
@@ -110,6 +136,12 @@ class ClusterConfig:
     max_failures: int = 3
     dashboard_host: str = "127.0.0.1"  # a locally started cluster's dashboard binds here ("0.0.0.0" = every interface)
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "address": FREE, "num_trainers": at_least(1), "cpus_per_trainer": at_least(0),
+        "resources_per_trainer": at_least(0), "local_num_cpus": at_least(0, note="0 = what the machine has"),
+        "max_failures": at_least(0, **_NO_LIMIT), "dashboard_host": TEXT,
+    }
+
 
 @dataclass
 class CheckpointConfig:
@@ -117,6 +149,8 @@ class CheckpointConfig:
     every_steps: int = 50
     keep_last: int = 3
     export: bool = True  # write export/ (draft safetensors + config.json) at the end
+
+    RANGES: ClassVar[dict[str, Range]] = {"run_dir": TEXT, "every_steps": at_least(1), "keep_last": at_least(1)}
 
 
 @dataclass
@@ -133,47 +167,27 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
+        """Every field against its range (one line naming the key and what it allows), then the checks between
+        fields. ValueError on the first problem."""
+        for section in ("target", "data", "train", "cluster", "checkpoint"):
+            check_ranges(getattr(self, section), section)
         self.draft.validate()
         self.loss.validate()
+        t = self.target
         checks = [
-            (self.target.dtype in _DTYPES, f"target.dtype must be one of {sorted(_DTYPES)}"),
-            (self.target.wire_dtype in _DTYPES, f"target.wire_dtype must be one of {sorted(_DTYPES)}"),
-            (self.target.num_workers >= 1, "target.num_workers must be >= 1"),
-            (self.target.tp_size >= 1, "target.tp_size must be >= 1"),
-            (not self.target.expert_parallel or self.target.tp_size > 1,
+            (not t.expert_parallel or t.tp_size > 1,
              "target.expert_parallel needs target.tp_size > 1 (the experts are split over the group)"),
-            (self.target.tp_size == 1 or self.target.gpus_per_worker in (0, 1),
+            (t.tp_size == 1 or t.gpus_per_worker in (0, 1),
              "target.gpus_per_worker must be 0 (CPU) or 1 (one GPU per rank) when target.tp_size > 1"),
-            (self.target.tp_size == 1 or not self.target.device_map,
+            (t.tp_size == 1 or not t.device_map,
              "target.device_map must be empty when target.tp_size > 1 (transformers places the shards itself)"),
-            (self.target.max_restarts >= -1, "target.max_restarts must be >= 0, or -1 for no limit"),
-            (self.target.batch_timeout_s > 0, "target.batch_timeout_s must be > 0"),
-            (self.cluster.max_failures >= -1, "cluster.max_failures must be >= 0, or -1 for no limit"),
-            (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
-            (self.data.max_len >= 2, "data.max_len must be >= 2"),
-            (self.data.samples_per_batch >= 1, "data.samples_per_batch must be >= 1"),
-            (self.data.anchors_per_seq >= 1, "data.anchors_per_seq must be >= 1"),
-            (self.data.max_in_flight >= 1, "data.max_in_flight must be >= 1"),
-            (self.data.replay_batches >= 0, "data.replay_batches must be >= 0"),
-            (self.train.max_steps >= 1, "train.max_steps must be >= 1"),
-            (self.train.lr > 0, "train.lr must be > 0"),
-            (self.train.head_lr_scale > 0, "train.head_lr_scale must be > 0"),
-            (0 <= self.train.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]"),
-            (self.train.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
-            (self.train.grad_accum >= 1, "train.grad_accum must be >= 1"),
-            (self.train.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3"),
-            (self.train.precision in ("fp32", "bf16"), "train.precision must be 'fp32' or 'bf16'"),
-            (len(self.train.betas) == 2, "train.betas must have two values"),
-            (self.cluster.num_trainers >= 1, "cluster.num_trainers must be >= 1"),
-            (self.checkpoint.every_steps >= 1, "checkpoint.every_steps must be >= 1"),
-            (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+            (self.data.max_len > self.draft.block_size,
+             f"data.max_len ({self.data.max_len}) must exceed draft.block_size ({self.draft.block_size}): a sequence "
+             "needs an anchor and at least one token after it"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-
-
-_DTYPES = {"float32", "bfloat16", "float16"}
 
 
 class ConfigError(ValueError):

@@ -10,7 +10,7 @@ not in the training data, not in what the chat template writes, not a token the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,13 +45,26 @@ def choose_mask_token(tokenizer) -> int:
                      "draft.mask_token_id to a token id the data never holds")
 
 
-def check_mask_token(token_id: int, tokenizer, samples: Iterable) -> None:
+def first_sample_holding(token_id: int, samples: Sequence, chunk: int = 8192) -> int | None:
+    """Index of the first sample whose input_ids hold `token_id`, or None. Vectorised: the ids of `chunk` samples
+    at a time are joined into one array and compared at once (a loop of one comparison per sample took seconds per
+    million samples); the chunk bounds the copy to a few MB whatever the data set's size."""
+    for start in range(0, len(samples), chunk):
+        ids = [s.input_ids for s in samples[start:start + chunk]]
+        hit = np.flatnonzero(np.concatenate(ids) == token_id) if ids else ()
+        if len(hit):
+            ends = np.cumsum([len(x) for x in ids])
+            return start + int(np.searchsorted(ends, hit[0], side="right"))
+    return None
+
+
+def check_mask_token(token_id: int, tokenizer, samples: Sequence) -> None:
     """ValueError naming the reason when `token_id` is written by the chat template or held by a sample."""
     if token_id in template_ids(tokenizer):
         raise ValueError(f"draft.mask_token_id={token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r}) is a token "
                          "the chat template or the tokenizer's bos/eos/pad writes; choose another id, or -1 to "
                          "choose automatically")
-    for i, sample in enumerate(samples):
-        if np.any(np.asarray(sample.input_ids) == token_id):
-            raise ValueError(f"draft.mask_token_id={token_id} occurs in training sample {i}: the mask slot would "
-                             "look like a real token; choose another id, or -1 to choose automatically")
+    i = first_sample_holding(token_id, samples)
+    if i is not None:
+        raise ValueError(f"draft.mask_token_id={token_id} occurs in training sample {i}: the mask slot would "
+                         "look like a real token; choose another id, or -1 to choose automatically")

@@ -1,7 +1,8 @@
 """What a resume may change: the policy that a resumed run continues the same model on the same data order.
 
 `check_resume(cfg, meta)` compares the run's config with the checkpoint's (meta.json) and refuses, naming the
-setting and both values, any difference outside RESUMABLE_CHANGES; `check_samples` compares the training samples'
+setting and both values, any difference outside RESUMABLE_CHANGES (an `auto` compute dtype keeps the checkpoint's
+resolved value: `kept_choice`); `check_samples` compares the training samples'
 digest with the checkpoint's. Both raise InputError (exit status 2) before any worker starts. Used by the driver
 (workers/driver.py) and the single-process trainer alike; docs/fault-tolerance.md, "What a resume may change".
 """
@@ -35,6 +36,11 @@ RESUMABLE_CHANGES = (
 GLOBAL_BATCH = ("train.grad_accum", "cluster.num_trainers")
 FILLED_FROM_TARGET = ("draft.vocab_size", "draft.hidden_size")  # 0 in the config until the target is resolved
 CHOSEN_AT_LAUNCH = ("draft.mask_token_id",)  # -1 = choose at launch (pipeline/mask_token.py); an explicit id must match
+# `auto` compute dtypes, resolved by the trainer from its own device (draft_model/precision.py) and saved resolved in
+# every checkpoint's config: a resume with `auto` keeps the checkpoint's value (`kept_choice`), so a run never
+# changes its numerics because it landed on another machine; an explicit value must match. The value is what a
+# checkpoint from before `auto` ran with when its config lacks the key (its default then).
+RESOLVED_ON_TRAINER = {"loss.matmul_dtype": "bfloat16"}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -67,10 +73,19 @@ def check_resume(cfg: RunConfig, meta: dict) -> None:
             continue
         if name in CHOSEN_AT_LAUNCH and value == -1:  # chosen again, the same way, then checked like the data
             continue
-        old = saved.get(name, default.get(name))
+        if name in RESOLVED_ON_TRAINER and value == "auto":  # the trainer keeps the checkpoint's choice
+            continue
+        old = saved.get(name, RESOLVED_ON_TRAINER.get(name, default.get(name)))
         if old != value:
             raise InputError(f"cannot resume: {name} is {value!r} now but {old!r} in the checkpoint (pass "
                              f"{name}={old} to continue this run; {hint})")
+
+
+def kept_choice(meta: dict, name: str) -> str:
+    """The value of an `auto` setting (RESOLVED_ON_TRAINER) that a run resumed from the checkpoint of `meta` keeps:
+    the one its run resolved and saved."""
+    section, key = name.split(".")
+    return meta.get("config", {}).get(section, {}).get(key, RESOLVED_ON_TRAINER[name])
 
 
 def check_samples(meta: dict, samples_digest: str) -> None:

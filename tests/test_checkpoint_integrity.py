@@ -204,6 +204,7 @@ def test_prune_never_drops_the_fresh_checkpoint_for_a_newer_rejected_one(tmp_pat
 def _meta(**changes) -> dict:
     """meta.json of a checkpoint whose config differs from the default by the dotted `changes`."""
     cfg = RunConfig().to_dict()
+    cfg["loss"]["matmul_dtype"] = "bfloat16"  # a trainer saves its `auto` resolved (workers/trainer/precision.py)
     for key, value in changes.items():
         section, name = key.split(".")
         cfg[section][name] = value
@@ -224,14 +225,16 @@ def _meta(**changes) -> dict:
                                      "loss.matmul_dtype=float32 to continue this run"),
 ])
 def test_check_resume_refuses_a_change_of_data_or_model(key, old, message):
+    now = RunConfig(loss=LossConfig(matmul_dtype="bfloat16"))  # explicit: `auto` keeps the checkpoint's value
     with pytest.raises(InputError) as e:
-        check_resume(RunConfig(), _meta(**{key: old}))
+        check_resume(now, _meta(**{key: old}))
     assert message in str(e.value) and str(e.value).startswith("cannot resume: ") and "\n" not in str(e.value)
 
 
 def test_check_resume_reads_a_missing_key_as_its_default():
     """A checkpoint whose config lacks a key (its code predates the key) ran with the key's default: it resumes
-    with the default and is refused with another value, which would change its loss."""
+    with the default and is refused with another value, which would change its loss. (loss.matmul_dtype's default
+    is `auto` now, which keeps what the checkpoint ran with: bfloat16, the default before `auto`.)"""
     meta = _meta()
     del meta["config"]["loss"]["matmul_dtype"]
     check_resume(RunConfig(), meta)

@@ -3,9 +3,12 @@
 Run: python -m pytest tests/test_config.py -q
 """
 
+import dataclasses
+
 import pytest
 
-from pipeline.config import ConfigError, apply_overrides, config_from_dict, load_config
+from draft_model.config import Range
+from pipeline.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
 from pipeline.order import batch_index_for, batch_sample_ids, batches_per_epoch
 
 
@@ -42,6 +45,28 @@ def test_types_and_values_are_checked_after_overrides():
         load_config(None, ["draft.preset=v5"])
     with pytest.raises(ConfigError, match="section.key=value"):
         apply_overrides({}, ["train.lr"])
+
+
+def _config_classes(cls: type, seen: list[type]) -> list[type]:
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default) and type(default) not in seen:
+            seen.append(type(default))
+            _config_classes(type(default), seen)
+    return seen
+
+
+def test_every_field_has_a_range_and_every_default_is_in_it():
+    """Each section's RANGES table names every field that is not a boolean or a nested section (the type decides
+    those), and holds nothing else: a new field cannot ship without its allowed values."""
+    for cls in _config_classes(RunConfig, []):
+        instance = cls()
+        wanted = {f.name for f in dataclasses.fields(cls)
+                  if not dataclasses.is_dataclass(getattr(instance, f.name))
+                  and not isinstance(getattr(instance, f.name), bool)}
+        assert set(cls.RANGES) == wanted, (cls.__name__, set(cls.RANGES) ^ wanted)
+        assert all(isinstance(r, Range) for r in cls.RANGES.values())
+    RunConfig().validate()
 
 
 def test_round_trip_through_saved_dict():

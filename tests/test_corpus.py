@@ -126,3 +126,38 @@ def test_load_jsonl_corpus_errors(tok, tmp_path):
             {"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}]), tok)
     with pytest.raises(FileNotFoundError):
         load_jsonl_corpus(tmp_path / "missing.jsonl", tok)
+
+
+def test_a_huge_record_is_cut_before_tokenizing_with_the_same_tokens(tok, tmp_path, monkeypatch):
+    """A text far over the character budget gives exactly the first max_len tokens of the whole text, and the
+    tokenizer never sees more than the budget (a 20 MB record: no 20 MB tokenization)."""
+    from pipeline.data.chat import char_budget
+
+    max_len = 64
+    budget = char_budget(tok, max_len)
+    words = " ".join(f"w{i % 997}" for i in range(2 * budget // 4))  # ~2x the budget, cheap to tokenize whole
+    reply = "x = 1\n" * (budget // 3)
+    path = _write_jsonl(tmp_path / "big.jsonl", [{"text": words}, {"messages": [
+        {"role": "user", "content": "print it"}, {"role": "assistant", "content": reply}]}])
+    samples = load_jsonl_corpus(path, tok, max_len=max_len)
+    assert samples[0].input_ids.tolist() == tok(words, add_special_tokens=False)["input_ids"][:max_len]
+    whole_ids, whole_mask = render_chat(tok, [{"role": "user", "content": "print it"},
+                                             {"role": "assistant", "content": reply}])
+    assert samples[1].input_ids.tolist() == whole_ids[:max_len].tolist()
+    assert samples[1].loss_mask.tolist() == whole_mask[:max_len].tolist()
+
+    seen: list[int] = []
+    real_call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, text, **kw: (seen.append(len(text)),
+                                                                          real_call(self, text, **kw))[1])
+    path = _write_jsonl(tmp_path / "huge.jsonl", [{"text": "a" * 20_000_000}])
+    assert len(load_jsonl_corpus(path, tok, max_len=max_len)[0].input_ids) == max_len
+    assert max(seen) <= budget
+
+
+def test_the_data_stage_drops_a_huge_row_without_rendering_it(tok, monkeypatch):
+    import pipeline.data.rows as rows
+
+    monkeypatch.setattr(rows, "render_row", lambda *a, **k: pytest.fail("rendered a row that cannot fit"))
+    table, bad = rows.build_shard([{"prompt": "q", "response": "a" * 10_000_000}], 0, tok, max_len=64)
+    assert len(table) == 0 and bad["too_long"] == 1

@@ -22,7 +22,7 @@ from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from evaluation.drafters import DecodeContext, DSparkDrafter, Proposal, TargetOnly, make_drafter
 from evaluation.evaluate import evaluate, evaluate_many
-from evaluation.report import write_report
+from evaluation.report import acceptance_figure, wilson_interval, write_report
 from evaluation.session import TargetSession, generate
 from serving.metrics import expected_calibration_error, roc_auc
 from workers.target.model import capture_features, embedding_weights
@@ -392,6 +392,54 @@ def test_write_report(tmp_path):
     assert md.count("| x |") == 2 and md.count("| y |") == 2
     assert paths["acceptance.png"].read_bytes()[:4] == b"\x89PNG"
     assert len(paths["generations.jsonl"].read_text().splitlines()) == 4
+
+
+def test_wilson_interval():
+    from scipy.stats import binomtest
+
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.27754), abs=1e-5)  # by hand: z²=3.8416, centre = half
+    assert wilson_interval(1, 1) == pytest.approx((1 / (1 + 1.96 ** 2), 1.0))  # one round: not a point at 1
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(1 - hi) and (lo, hi) == pytest.approx((0.23659, 0.76341), abs=1e-5)
+    for k, n in [(0, 1), (2, 2), (3, 7), (40, 100), (999, 1000)]:
+        ref = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert wilson_interval(k, n) == pytest.approx((ref.low, ref.high), abs=1e-3), (k, n)  # scipy's z: 1.95996
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+def test_acceptance_plot_counts_and_intervals():
+    """A position two rounds reached is drawn with n=2 and an interval down to 0.34, not as a bare 1.00; the
+    target alone (no draft positions) has no line and so no legend entry."""
+    import matplotlib.pyplot as plt
+
+    def result(drafter, gamma, cond, reached):
+        return {"drafter": drafter, "gamma": gamma, "temperature": 0.0,
+                "datasets": {"d": {"cond_acceptance": cond, "reached": reached, "tau": 1.5}}}
+
+    runs = [result("dspark", 4, [0.8, 0.5, 1.0, None], [100, 40, 2, 0]), result("autoregressive", 0, [], [])]
+    fig = acceptance_figure(runs)
+    try:
+        (ax,) = fig.axes
+        handles, labels = ax.get_legend_handles_labels()
+        assert labels == ["dspark (γ=4, greedy)  τ=1.50"]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+        for h in handles:  # every entry stands for a drawn line
+            assert len(h.lines[0].get_xdata()) == 3
+        assert sorted(t.get_text() for t in ax.texts) == ["n=100", "n=2", "n=40"]
+        (bars,) = ax.collections  # the error bars, one segment per point: the Wilson interval
+        segs = [tuple(seg[:, 1]) for seg in bars.get_segments()]
+        want = [wilson_interval(80, 100), wilson_interval(20, 40), wilson_interval(2, 2)]
+        assert segs == [pytest.approx(w) for w in want]
+        assert want[2][0] == pytest.approx(0.342, abs=1e-3)
+    finally:
+        plt.close(fig)
+    only_target = acceptance_figure([result("autoregressive", 0, [], [])])
+    try:
+        assert only_target.axes[0].get_legend() is None
+    finally:
+        plt.close(only_target)
 
 
 @pytest.mark.slow

@@ -3,13 +3,17 @@
 resume, each against an unfaulted run with the same seed; a failure a restart would only repeat is reported once;
 one driver per run dir: a second one is refused, and the trainers of a SIGKILLed driver cannot commit into the run
 of the driver that takes over at once; a disk that fills up during a save is one line, not retried.
+The unfaulted reference is also the suite's one end-to-end training run on a MoE target: it must train, checkpoint
+and export a draft that loads back onto the target's frozen weights.
 
-Run: python -m pytest tests/test_faults.py -q     (about 1 minute on 2 cores: the killed workers; -m slow
-     adds the SIGTERM, fatal-error, second-driver, killed-driver and full-disk tests, about 8 minutes)
+Run: python -m pytest tests/test_faults.py -q     (about 3 minutes on 2 cores: the reference run and the killed
+     workers; -m slow adds the SIGTERM, fatal-error, second-driver, killed-driver and full-disk tests, about 10
+     minutes)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,13 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from launch_helpers import LAUNCH, REPO, TINY_MOE, FaultSchedule, LoopbackHead, logged_steps, quiet_env, run_launch
+from safetensors import safe_open
 
 from pipeline.metrics import read_jsonl_metrics
 from workers.trainer.ledger import audit_checkpoint
 
 STEPS = 12
-COMMON = ["--max-steps", str(STEPS), *TINY_MOE, "checkpoint.every_steps=4", "checkpoint.export=false",
+COMMON = ["--max-steps", str(STEPS), *TINY_MOE, "checkpoint.every_steps=4", "train.lr=3e-3",
           "cluster.max_failures=2"]
 
 
@@ -41,11 +47,45 @@ def head():
 
 
 @pytest.fixture(scope="module")
-def clean(head, tmp_path_factory):
+def clean_run(head, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("clean") / "run"
     res = run_launch(["--run-dir", str(run_dir), *COMMON], env=quiet_env(RAY_ADDRESS=head.address))
     assert res.returncode == 0, res.stderr[-4000:]
-    return run_dir
+    return run_dir, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def clean(clean_run):
+    return clean_run[0]
+
+
+def test_tiny_moe_target_trains_checkpoints_and_exports(clean_run):
+    run_dir, out = clean_run
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(STEPS - 4, STEPS + 1)) / 5
+    assert last < 0.9 * first, (first, last)
+    assert f"step {STEPS}/{STEPS} | loss" in out  # one dense log line per step, from rank 0
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    meta = json.loads((ckpts / f"step_{STEPS:08d}" / "meta.json").read_text())
+    assert meta["step"] == STEPS and meta["data_position"]["next_batch_index"] == 2 * STEPS
+    assert meta["config"]["train"]["zero_stage"] == 2 and meta["config"]["cluster"]["num_trainers"] == 2
+    assert (ckpts / f"step_{STEPS - 4:08d}").is_dir()
+    with safe_open(str(run_dir / "export" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any("frozen" in k for k in keys), keys  # the target's embedding/LM head are not exported
+    cfg = json.loads((run_dir / "export" / "config.json").read_text())
+    assert cfg["draft"]["hidden_size"] == 64 and cfg["draft"]["vocab_size"] == 49152
+    # the export loads back onto the target's frozen embedding/LM head, weight for weight
+    from pipeline.export import load_exported_draft
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
+
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
+    with safe_open(str(run_dir / "export" / "model.safetensors"), "pt") as f:
+        for k, v in draft.state_dict().items():
+            assert torch.equal(f.get_tensor(k), v.float()), k
 
 
 def _assert_same_curve(run_dir: Path, clean: Path, steps: range) -> None:

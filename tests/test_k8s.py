@@ -31,6 +31,7 @@ import jsonschema
 import pytest
 import yaml
 from k8s_schema import SCHEMA_DIR, check_crd_document, read_crd_schema, schema_key_problems
+from launch_helpers import RAY_CLI
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
@@ -388,7 +389,7 @@ def test_submit_script_submits_once_and_reports_failures(tmp_path: Path) -> None
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_HEAD_SVC": "127.0.0.1", "RUN_NAME": "run-a"}
     head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--port=0", "--num-cpus=1", "--include-dashboard=true",
+        [*RAY_CLI, "start", "--head", "--block", "--port=0", "--num-cpus=1", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
          f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -399,7 +400,7 @@ def test_submit_script_submits_once_and_reports_failures(tmp_path: Path) -> None
 
     try:
         deadline = time.monotonic() + 90
-        while subprocess.run(["ray", "job", "list", "--address", f"http://127.0.0.1:{dash}"], env=env,
+        while subprocess.run([*RAY_CLI, "job", "list", "--address", f"http://127.0.0.1:{dash}"], env=env,
                              capture_output=True).returncode != 0:
             assert head.poll() is None and time.monotonic() < deadline, "local Ray head did not come up"
             time.sleep(1)

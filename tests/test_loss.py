@@ -412,18 +412,21 @@ def test_bf16_matmuls_stay_close_to_fp32(markov):
 
 
 def test_matmul_dtype_is_checked():
-    with pytest.raises(ValueError, match="matmul_dtype must be float32 or bfloat16"):
+    with pytest.raises(ValueError, match=r"loss.matmul_dtype must be one of \[.*'float32', 'bfloat16'\], got 'f"):
         LossConfig(matmul_dtype="float16").validate()
 
 
-def test_default_runs_fp32_matmuls_in_bf16_and_leaves_fp64_alone():
-    """The default loss.matmul_dtype is bfloat16: fp32 inputs get exactly the explicit bf16 result; fp64 reference
-    inputs keep their fp64 matmuls."""
-    assert _LossConfig().matmul_dtype == "bfloat16"
+def test_default_runs_fp32_matmuls_in_the_devices_dtype_and_leaves_fp64_alone():
+    """The default loss.matmul_dtype is auto: fp32 inputs get exactly the result of the dtype this CPU resolves it to
+    (tests/test_compute_dtype.py covers every kind of CPU); fp64 reference inputs keep their fp64 matmuls."""
+    from draft_model.precision import resolve_matmul_dtype
+
+    assert _LossConfig().matmul_dtype == "auto"
+    native = resolve_matmul_dtype("auto", "cpu")[0]
     x32 = make_inputs(seed=21, dtype=torch.float32)
     default, bf16, fp32 = (run(dict(x32), cfg).ce_sum.item() for cfg in (
         _LossConfig(chunk_rows=4), LossConfig(chunk_rows=4, matmul_dtype="bfloat16"), LossConfig(chunk_rows=4)))
-    assert default == bf16 and default != fp32
+    assert bf16 != fp32 and default == (bf16 if native == "bfloat16" else fp32)
     x64 = make_inputs(seed=21, dtype=torch.float64)
     fp64_default, fp64_fp32 = (run(dict(x64), cfg).ce_sum.item() for cfg in (_LossConfig(chunk_rows=4),
                                                                              LossConfig(chunk_rows=4)))

@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from launch_helpers import LAUNCH, REPO, TINY_MOE, quiet_env
+from launch_helpers import LAUNCH, REPO, TINY_MOE, logged_steps, quiet_env
 
 from pipeline.metrics import read_jsonl_metrics
 
@@ -67,18 +67,27 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
     assert draft.cfg.head == "markov" and draft.head_w2().abs().max() > 0  # the head trained
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    # loss.matmul_dtype=auto: resolved from this CPU, said in the log, saved resolved (a resume keeps it)
+    from draft_model.precision import resolve_matmul_dtype
+
+    dtype, why = resolve_matmul_dtype("auto", "cpu")
+    assert f"loss matmuls: {dtype} ({why})" in res.stderr
+    meta = json.loads((run_dir / "checkpoints" / "step_00000020" / "meta.json").read_text())
+    assert meta["config"]["loss"]["matmul_dtype"] == dtype
     lines = (run_dir / "metrics.jsonl").read_text().count("\n")
     # run again on the finished run dir: it resumes at its last step, trains nothing more, exports again
     again = _run(["--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=20", "train.lr=3e-3",
                   "train.head_lr_scale=5"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "at step 20" in again.stderr and (run_dir / "metrics.jsonl").read_text().count("\n") == lines
+    assert f"loss matmuls: {dtype} (auto: kept from step_00000020, where the run chose it)" in again.stderr
 
 
 @pytest.mark.slow
 def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path):
-    """SIGKILL after the step-n checkpoint, start again: steps n+1..2n log the losses of a run never stopped
-    (to 1e-6: the same process kind, data, engine state and RNG; only the kill differs)."""
+    """SIGKILL after the step-n checkpoint and a logged step past it, start again: steps n+1..2n log the losses of a
+    run never stopped (to 1e-6: the same process kind, data, engine state and RNG; only the kill differs), and
+    metrics.jsonl holds one row per step (the killed run's rows past n were dropped at the resume)."""
     n = 4
     common = [*TINY_MOE, f"train.max_steps={2 * n}", f"checkpoint.every_steps={n}", "checkpoint.export=false",
               "train.lr=3e-3"]
@@ -92,19 +101,22 @@ def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path):
     latest = killed / "checkpoints" / "latest"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == f"step_{n:08d}":
+        if latest.is_file() and latest.read_text().strip() == f"step_{n:08d}" and logged_steps(killed) > n:
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert latest.read_text().strip() == f"step_{n:08d}"
+    assert logged_steps(killed) > n  # rows of steps the resumed run re-trains
 
     res = _run(["--run-dir", str(killed), *common])
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"resuming from {killed / 'checkpoints' / f'step_{n:08d}'}" in res.stderr
     a, b = _losses(straight), _losses(killed)
     assert sorted(b) == list(range(1, 2 * n + 1))
+    rows = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 2 * n + 1))  # one curve: no step twice
     for step in range(n + 1, 2 * n + 1):
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), (step, a[step], b[step])
     assert latest.read_text().strip() == f"step_{2 * n:08d}"

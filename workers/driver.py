@@ -58,6 +58,8 @@ def worker_runtime_env() -> dict | None:
 def connect_ray(cfg) -> None:
     import ray
 
+    from workers.loopback import local_ray_on_loopback
+
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     runtime_env = worker_runtime_env()
     if address:
@@ -67,7 +69,9 @@ def connect_ray(cfg) -> None:
     needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
     num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
     # The dashboard also serves the state API that Ray Train's controller polls (without it, it logs a warning
-    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise.
+    # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise. Everything else binds to
+    # loopback too (workers/loopback.py).
+    local_ray_on_loopback()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
              runtime_env=runtime_env)
 
@@ -87,6 +91,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from workers.preemption import StoppedEarly, stop_on_signal
     from workers.run_control import RunControl
     from workers.target.feature_service import FeatureService
+    from workers.trainer.process_group import trainer_torch_config
     from workers.trainer.ray_trainer import train_loop
     from workers.trainer.reshard import adapt_to_checkpoint
 
@@ -132,6 +137,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         train_loop_config={"config": cfg.to_dict(), "service": service, "control": control,
                            "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest,
                            "fence": fence},
+        torch_config=trainer_torch_config(ray.nodes()),  # a local cluster's process group on loopback
         scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
                                      resources_per_worker=resources),
         run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train",

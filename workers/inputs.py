@@ -44,7 +44,8 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
         elif cfg.data.source.endswith(".parquet") or Path(cfg.data.source).is_dir():  # launch/prepare_data.py output
             samples = load_parquet_corpus(cfg.data.source, max_len=cfg.data.max_len, num_samples=cfg.data.num_samples)
         else:
-            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len)[:cfg.data.num_samples]
+            samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len,
+                                        num_samples=cfg.data.num_samples)
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from e
     if not samples:
@@ -58,9 +59,6 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
 
 def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
     """The target's path and the training samples, after every check that needs no worker (InputError if bad)."""
-    if cfg.data.max_len <= cfg.draft.block_size:
-        raise InputError(f"data.max_len ({cfg.data.max_len}) must exceed draft.block_size ({cfg.draft.block_size}): "
-                         "a sequence needs an anchor and at least one token after it")
     try:
         target_path = resolve_target_path(cfg.target.path)
     except FileNotFoundError as e:

@@ -10,7 +10,28 @@ the template puts in the turn (role headers, the newline after <|im_end|>) is no
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+
+# chars of text per token kept before tokenizing, over the longest token's length: a normalizer that drops
+# characters (control characters, accents) needs more text per token than the vocabulary shows
+BUDGET_SAFETY = 2
+BUDGET_SPARE_TOKENS = 16  # the tokenization of a cut text may differ from the whole text's in its last tokens
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry in characters. Entries are written at least as long as the text they stand for
+    (byte-level BPE writes one character per byte, SentencePiece a marker per space), so no token covers more."""
+    return max(len(t) for t in tokenizer.get_vocab())
+
+
+def char_budget(tokenizer, max_len: int) -> int:
+    """How many characters of one text can matter to its first `max_len` tokens: cutting a text (or a message's
+    content) to this many characters before tokenizing leaves those tokens as they are, so a 2 GB record costs
+    no more to tokenize than one of this length."""
+    return (max_len + BUDGET_SPARE_TOKENS) * max_token_chars(tokenizer) * BUDGET_SAFETY
 
 
 def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:

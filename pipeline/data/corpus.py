@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import logging
 import os
 import random
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.contracts import TokenizedSample
-from pipeline.data.chat import render_chat
+from pipeline.data.chat import char_budget, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -142,39 +143,95 @@ def default_corpus(tokenizer, max_len: int = 512, num_samples: int = 256, seed: 
     return samples
 
 
-def load_jsonl_corpus(path: str | os.PathLike, tokenizer, max_len: int | None = None) -> list[TokenizedSample]:
+def read_json_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """("line N", record) for each non-blank line of a JSON-lines file, read one line at a time; a file that is one
+    JSON array gives ("record N", record). ValueError naming the file and line for a line that is not UTF-8, not
+    JSON, or not a JSON object: the first problem stops the run (a half-read dataset would train on something else
+    than the user meant)."""
+    path = Path(path)
+    hint = "data.source must hold one JSON object per line, or be a .parquet file or a data-stage directory"
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
+        f.seek(0)
+        if head.startswith(b"["):  # one JSON array (datasets' json reader took these too): read whole
+            try:
+                records = json.loads(f.read().decode("utf-8-sig"))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"dataset {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                                 f"{e.start})") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"dataset {path} line {e.lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+                                 f"{hint}") from None
+            for i, record in enumerate(records if isinstance(records, list) else [records], 1):
+                if not isinstance(record, dict):
+                    raise ValueError(f"dataset {path} record {i} is a JSON {type(record).__name__}, not an object")
+                yield f"record {i}", record
+            return
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"dataset {path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1}); re-encode the file as UTF-8") from None
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"dataset {path} line {lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+                                 f"{hint}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"dataset {path} line {lineno} is a JSON {type(record).__name__}, not an object; "
+                                 f"{hint}")
+            yield f"line {lineno}", record
+
+
+def _record_tokens(record: dict, where: str, tokenizer, budget: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, loss_mask) of one {"text"} or {"messages"} record, its texts cut to `budget` characters first."""
+    messages, text = record.get("messages"), record.get("text")
+    if isinstance(messages, list) and messages:
+        if budget is not None:
+            messages = [{**m, "content": m["content"][:budget]} if isinstance(m, dict)
+                        and isinstance(m.get("content"), str) and len(m["content"]) > budget else m for m in messages]
+        try:
+            return render_chat(tokenizer, messages, sample_name=where)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a chat template raises what its author chose, e.g. on an unknown role)
+            raise ValueError(f"sample {where}: the chat template refused it ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    if isinstance(text, str):
+        ids = np.asarray(tokenizer(text[:budget], add_special_tokens=False)["input_ids"], dtype=np.int64)
+        mask = np.ones(len(ids), dtype=bool)
+        mask[:1] = False
+        return ids, mask
+    raise ValueError(f"dataset {where}: a record needs a 'text' or a 'messages' field (a string, or a "
+                     f"non-empty list of {{role, content}} messages); found keys {sorted(record)[:10]}")
+
+
+def load_jsonl_corpus(path: str | os.PathLike, tokenizer, max_len: int | None = None,
+                      num_samples: int | None = None) -> list[TokenizedSample]:
     """User data: a JSON-lines file whose records have {"text": str} or {"messages": [{"role", "content"}, ...]}.
 
     "text" records train on every next token; "messages" records on the assistant replies. Records longer than
-    `max_len` tokens are truncated (ids and mask together); samples with fewer than 2 tokens, or with nothing
-    left to train on, are dropped and counted in the log. sample_id = position among the kept samples.
+    `max_len` tokens are truncated (ids and mask together); a text is cut to a character budget first
+    (pipeline/data/chat.char_budget), so a huge record costs no more to tokenize than the tokens kept. Samples
+    with fewer than 2 tokens, or with nothing left to train on, are dropped and counted in the log. Reading stops
+    after `num_samples` kept samples. sample_id = position among the kept samples. A bad line is a ValueError
+    naming the file and line (`read_json_records`).
     """
-    import datasets
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        has_records = any(line.strip() for line in f)
-    # (datasets raises a bare StopIteration on an empty file, so check before handing it over)
-    ds = datasets.load_dataset("json", data_files=str(path), split="train") if has_records else []
-    if len(ds) == 0:
-        raise ValueError(f"dataset {path} has no samples")
-    cols = set(ds.column_names)
-    if not ({"text", "messages"} & cols):
-        raise ValueError(f"dataset {path}: records need a 'text' or a 'messages' field, found {sorted(cols)}")
+    if path.is_dir():
+        raise ValueError(f"dataset {path} is a directory without progress.json: not a data-stage output "
+                         "(launch/prepare_data.py) nor a JSON-lines file")
+    budget = char_budget(tokenizer, max_len) if max_len is not None else None
     samples: list[TokenizedSample] = []
-    dropped_short = dropped_untrained = truncated = 0
-    for row_index, row in enumerate(ds):
-        name = f"{path.name}:{row_index + 1}"
-        if row.get("messages"):
-            ids, mask = render_chat(tokenizer, row["messages"], sample_name=name)
-        elif isinstance(row.get("text"), str):
-            ids = np.asarray(tokenizer(row["text"], add_special_tokens=False)["input_ids"], dtype=np.int64)
-            mask = np.ones(len(ids), dtype=bool)
-            mask[:1] = False
-        else:
-            raise ValueError(f"dataset {path}, record {row_index + 1}: needs a non-empty 'text' or 'messages'")
+    dropped_short = dropped_untrained = truncated = records = 0
+    for where, record in read_json_records(path):
+        records += 1
+        ids, mask = _record_tokens(record, f"{path}:{where.split()[-1]}", tokenizer, budget)
         if max_len is not None and len(ids) > max_len:
             ids, mask, truncated = ids[:max_len], mask[:max_len], truncated + 1
         if len(ids) < 2:
@@ -184,6 +241,10 @@ def load_jsonl_corpus(path: str | os.PathLike, tokenizer, max_len: int | None = 
             dropped_untrained += 1
             continue
         samples.append(TokenizedSample(len(samples), ids, mask))
+        if num_samples is not None and len(samples) >= num_samples:
+            break
+    if records == 0:
+        raise ValueError(f"dataset {path} has no samples")
     if dropped_short or dropped_untrained or truncated:
         log.warning("dataset %s: dropped %d samples shorter than 2 tokens and %d with nothing to train on "
                     "after truncation; truncated %d to %s tokens", path, dropped_short, dropped_untrained,

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.contracts import TokenizedSample
-from pipeline.data.chat import render_chat, render_prompt, render_text
+from pipeline.data.chat import BUDGET_SAFETY, max_token_chars, render_chat, render_prompt, render_text
 from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,14 @@ def render_row(tokenizer, prompt: list[dict], response: str, name: str = "<row>"
     return ids, mask
 
 
+def surely_too_long(tokenizer, messages: list[dict], max_len: int) -> bool:
+    """True when the messages' text alone must make more than `max_len` tokens (no token covers more characters
+    than the longest vocabulary entry, pipeline/data/chat.max_token_chars): such a row is dropped as too_long
+    without rendering it, so a huge record costs nothing to tokenize."""
+    chars = sum(len(m["content"]) for m in messages)
+    return chars > max_len * max_token_chars(tokenizer) * BUDGET_SAFETY
+
+
 # ---- one shard --------------------------------------------------------------------------------------------------
 
 
@@ -208,6 +217,9 @@ def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams
                 batch_size: int, bad: Counter) -> list[dict]:
     prompts, kept = [], []
     for spec in specs:
+        if surely_too_long(tokenizer, spec.prompt, max_len):
+            bad["too_long"] += 1
+            continue
         ids = render_prompt(tokenizer, spec.prompt)
         if len(ids) >= max_len:  # no room for even one reply token
             bad["too_long"] += 1
@@ -277,6 +289,9 @@ def build_shard(records: list[dict], first_index: int, tokenizer, max_len: int, 
     else:
         rows = []
         for spec in specs:
+            if surely_too_long(tokenizer, spec.prompt + [{"content": spec.response}], max_len):
+                bad["too_long"] += 1
+                continue
             ids, mask = render_row(tokenizer, spec.prompt, spec.response, name=spec.row_id)
             if len(ids) > max_len:
                 bad["too_long"] += 1
@@ -301,31 +316,77 @@ def shard_files(path: str | os.PathLike) -> list[Path]:
     progress = path / "progress.json"
     if not progress.exists():
         raise FileNotFoundError(f"{path} is neither a .parquet file nor a data-stage directory (no progress.json)")
-    state = json.loads(progress.read_text())
+    try:
+        state = json.loads(progress.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"data-stage directory {path}: {progress.name} is not valid JSON ({e}); rerun "
+                         "launch/prepare_data.py with the same arguments") from None
     if not state.get("complete"):
         raise ValueError(f"data stage in {path} did not finish ({len(state['completed'])} of "
                          f"{state['num_shards']} shards); rerun launch/prepare_data.py with the same arguments")
     return [path / state["completed"][k]["file"] for k in sorted(state["completed"])]
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _list_of(value_ok: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
+    return lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and value_ok(t.value_type)
+
+
+# the columns training reads, what each must hold, and that in words
+TOKEN_COLUMNS = {"input_ids": (_list_of(pa.types.is_integer), "a list of integers"),
+                 "loss_mask": (_list_of(lambda t: pa.types.is_boolean(t) or pa.types.is_integer(t)),
+                               "a list of booleans")}
+
+
+def read_token_columns(f: Path) -> tuple[pa.Array, pa.Array]:
+    """The input_ids and loss_mask columns of one Parquet file; ValueError (one line naming the file) when it is
+    no Parquet file, lacks a column, or holds the wrong type in it."""
+    try:
+        schema = pq.read_schema(f)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"data {f} is not a readable Parquet file ({_first_line(e)})") from None
+    problems = []
+    for name, (ok, what) in TOKEN_COLUMNS.items():
+        if name not in schema.names:
+            problems.append(f"no column {name}")
+        elif not ok(schema.field(name).type):
+            problems.append(f"{name} is {schema.field(name).type}, not {what}")
+    if problems:
+        wanted = " and ".join(f"{n} ({w})" for n, (_, w) in TOKEN_COLUMNS.items())
+        raise ValueError(f"data {f}: {'; '.join(problems)}; training reads {wanted}, as launch/prepare_data.py "
+                         f"writes them (its columns: {schema.names[:12]})")
+    try:
+        table = pq.read_table(f, columns=list(TOKEN_COLUMNS))
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"data {f} is not a readable Parquet file ({_first_line(e)})") from None
+    return table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
+
+
 def load_parquet_corpus(path: str | os.PathLike, max_len: int | None = None,
                         num_samples: int | None = None) -> list[TokenizedSample]:
     """Training samples from a data-stage directory or .parquet file, in row order; sample_id = position.
 
-    Rows longer than `max_len` are dropped (counted in the log), never truncated.
+    Rows longer than `max_len` are dropped (counted in the log), never truncated. A file that is not the data
+    stage's layout is a ValueError naming it (`read_token_columns`), a row whose mask and ids differ in length
+    one naming the row.
     """
     samples: list[TokenizedSample] = []
     too_long = 0
     for f in shard_files(path):
-        table = pq.read_table(f, columns=["input_ids", "loss_mask"])
-        ids_col = table.column("input_ids").combine_chunks()
-        mask_col = table.column("loss_mask").combine_chunks()
+        ids_col, mask_col = read_token_columns(f)
         if len(ids_col) == 0:
             continue
         offsets = ids_col.offsets.to_numpy()
         ids_flat = ids_col.values.to_numpy()
         mask_flat = mask_col.values.to_numpy(zero_copy_only=False)
-        assert np.array_equal(offsets, mask_col.offsets.to_numpy()), f"{f}: input_ids and loss_mask disagree"
+        mask_offsets = mask_col.offsets.to_numpy()
+        if not np.array_equal(offsets, mask_offsets):
+            row = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
+            raise ValueError(f"data {f} row {row}: input_ids has {offsets[row + 1] - offsets[row]} tokens but "
+                             f"loss_mask {mask_offsets[row + 1] - mask_offsets[row]}")
         for a, b in zip(offsets[:-1], offsets[1:]):
             if max_len is not None and b - a > max_len:
                 too_long += 1

@@ -8,7 +8,8 @@ parallelism, seen by the feature service exactly as one target worker.
 
 - Placement: one Ray placement group per group, STRICT_PACK (every member on one node: the collectives of every
   layer stay on NVLink/shared memory), one bundle per member with its CPUs, GPU and custom resources.
-- Rendezvous: member 0 picks MASTER_ADDR (its node's IP) and a free MASTER_PORT; the members' `setup` calls take
+- Rendezvous: member 0 starts the group's TCPStore on its node's IP, and on that address only (workers/loopback.py:
+  on a local cluster, loopback); the address and port are MASTER_ADDR/MASTER_PORT. The members' `setup` calls take
   that answer as a Ray argument, so a group forms without the service waiting on it (later calls queue behind
   `setup` on each member: Ray runs one caller's calls to an actor in order).
 - Every member runs the same forward on the same samples (one object-store copy, read by all). Under tensor
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 from datetime import timedelta
 from typing import Any
 
 import ray
+
+from workers.loopback import is_loopback, join_store, serve_store, use_loopback_interface
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class TargetGroupMember:
 
     def __init__(self) -> None:
         self.rank = -1
+        self._store = None  # the group's TCPStore server, on rank 0 (rendezvous)
         self._worker = None
         self._setup_error: BaseException | None = None
 
@@ -56,11 +59,12 @@ class TargetGroupMember:
         return os.getpid()
 
     def rendezvous(self) -> tuple[str, int]:
-        """(MASTER_ADDR, MASTER_PORT) for the group, asked of rank 0: its node's address and a port free there."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """(MASTER_ADDR, MASTER_PORT) for the group, asked of rank 0: its node's address and the port of the group's
+        store, started here and listening on that address only (torch's own would listen on every interface:
+        workers/loopback.py)."""
+        host = ray.util.get_node_ip_address()
+        self._store = serve_store(host, None, timedelta(minutes=5))
+        return host, self._store.port
 
     def setup(self, address: tuple[str, int], rank: int, world: int, backend: str, target_path: str,
               layers: list[int], options: dict[str, Any], expert_parallel: bool, timeout_s: float) -> None:
@@ -74,11 +78,17 @@ class TargetGroupMember:
         # Ray gives a GPU member exactly one visible GPU, so its local device is always index 0.
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                            "MASTER_ADDR": address[0], "MASTER_PORT": str(address[1])})
+        if is_loopback(address[0]):  # a local cluster: gloo's and NCCL's sockets on loopback too
+            use_loopback_interface()
+        timeout = timedelta(seconds=timeout_s)
         try:
             if backend == "nccl":
                 torch.cuda.set_device(0)
+            assert rank != 0 or self._store is not None, "rank 0 serves the store: rendezvous runs on it first"
+            store = self._store if rank == 0 else join_store(address[0], address[1], world, timeout)
+            store.set_timeout(timeout)
             # a collective still waiting after a whole batch's time means a lost peer: fail rather than hang
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
             self._worker = TargetWorker(target_path, layers, distributed=distributed_config(world, expert_parallel),
                                         **options)
         except _INPUT_ERRORS as e:

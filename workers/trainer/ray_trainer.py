@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
 from workers.trainer.engines import resumed_engine
 from workers.trainer.loop import MicroBatch, all_gather, barrier, fit
+from workers.trainer.precision import describe as describe_dtype
+from workers.trainer.precision import loss_matmul_dtype
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
@@ -132,14 +135,21 @@ def _train(loop_config: dict[str, Any]) -> None:
     # Rank 0 decides (verifying it) and tells the others, so that all ranks load the same one.
     (latest,) = all_gather(str(ckpts.latest() or "") if rank == 0 else None)[:1]
     resume_from = Path(latest) if latest else None
+    # rank 0's device decides an `auto` loss dtype for every rank (one numerics per run), or its checkpoint does
+    (matmul,) = all_gather(loss_matmul_dtype(cfg.loss.matmul_dtype, device, resume_from) if rank == 0 else None)[:1]
+    cfg.loss = replace(cfg.loss, matmul_dtype=matmul[0])
+    if rank == 0:
+        log.info("%s", describe_dtype(*matmul))
     engine, start_step, ledger, _ = resumed_engine(DraftWithLoss(draft, cfg.loss), cfg, ckpts, resume_from, rank,
                                                    world, log, loop_config["samples_digest"])
 
     sink = NullSink()
     if rank == 0:
-        sinks = [JsonlSink(os.path.join(cfg.checkpoint.run_dir, "metrics.jsonl"))]
+        # the rows and events of steps past start_step came from a run that crashed after its last checkpoint:
+        # they go, so the record holds one curve (pipeline/metrics.drop_rows_after)
+        sinks = [JsonlSink(os.path.join(cfg.checkpoint.run_dir, "metrics.jsonl"), resume_step=start_step)]
         if cfg.train.tensorboard:
-            sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard")))
+            sinks.append(TensorBoardSink(os.path.join(cfg.checkpoint.run_dir, "tensorboard"), resume_step=start_step))
         sink = MultiSink(*sinks)
     batches = FeatureServiceBatches(loop_config["service"], cfg, rank, world, loop_config["num_samples"], device)
     control = loop_config["control"]

@@ -167,6 +167,19 @@ def load_universal(engine: Any, universal: Path, path: str | Path, rank: int, lo
     return int(meta["step"])
 
 
+def load_universal_file(path: Path) -> Any:
+    """A file of a universal copy under <run_dir>/reshard/, loaded without running code from it: torch's
+    weights-only unpickler, which admits tensors, plain containers and the globals allowed here. DeepSpeed 0.19.8
+    pickles two of its own types into these files besides those (torch.serialization.get_unsafe_globals_in_checkpoint
+    on the universal copies of ZeRO-1/2/3 checkpoints): the ZeRO stage as an enum and the fp16 loss scaler's state
+    (an object with plain attributes; its class is only instantiated, no method of it runs)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def repair_zero3_universal_load(optimizer: torch.optim.Optimizer, ds_dir: Path) -> None:
     """Undo two slips of ZeRO-3's universal load (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3,
     DeepSpeed 0.19.8); with them the 2 -> 1 -> 2 resumed losses were off the uninterrupted run's by up to 1e-3
@@ -176,7 +189,7 @@ def repair_zero3_universal_load(optimizer: torch.optim.Optimizer, ds_dir: Path) 
       group's own, saved in the universal checkpoint's optimizer_state.pt;
     - it gives every group's state the *same* `step` tensor, which torch's Adam increments in place once per
       group per optimizer step, so the bias correction ran ahead: give each group its own copy."""
-    saved = torch.load(ds_dir / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    saved = load_universal_file(ds_dir / "zero" / "optimizer_state.pt")
     groups = saved["optimizer_state_dict"]["param_groups"]
     for group, want in zip(optimizer.param_groups, groups, strict=True):
         group.update({k: v for k, v in want.items() if k != "params"})
@@ -189,7 +202,7 @@ def restore_buffers(module: torch.nn.Module, ds_dir: Path) -> None:
     """Copy the persistent buffers (MoE balance bias) from a DeepSpeed model-states file into `module`."""
     files = sorted(ds_dir.glob("*model_states.pt"))
     assert files, f"no model-states file in {ds_dir}"
-    saved = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    saved = load_universal_file(files[0])["module"]
     with torch.no_grad():
         for name, buf in module.named_buffers():
             if name in saved:

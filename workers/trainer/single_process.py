@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.engines import TorchEngine
 from workers.trainer.loop import MicroBatch, fit, resume
+from workers.trainer.precision import describe as describe_dtype
+from workers.trainer.precision import loss_matmul_dtype
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
@@ -107,6 +110,9 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
         cfg.draft = cfg.draft.resolved_for_target(vocab, hidden, layers)
     except ValueError as e:
         raise InputError(str(e)) from e
+    dtype, why = loss_matmul_dtype(cfg.loss.matmul_dtype, dev, resume_from)
+    cfg.loss = replace(cfg.loss, matmul_dtype=dtype)  # saved resolved in every checkpoint: a resume keeps it
+    log.info("%s", describe_dtype(dtype, why))
     torch.manual_seed(cfg.train.seed)
     embed_VD, lm_head_VD = worker.embedding_weights()
     module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
@@ -123,7 +129,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     start_step, ledger = resume(engine, ckpts, resume_from, 0, log, samples_digest)
 
     save_config(cfg, run_dir / "config.yaml")
-    sink = JsonlSink(str(run_dir / "metrics.jsonl"))
+    sink = JsonlSink(str(run_dir / "metrics.jsonl"), resume_step=start_step)  # rows past the checkpoint go
     log.info("single-process training of a %s draft (%d layers, head %s, gamma %d) on %s for %d steps; %d samples;"
              " %s", cfg.draft.arch, cfg.draft.num_layers, cfg.draft.head, cfg.draft.block_size, dev,
              cfg.train.max_steps, len(samples), f"resuming from {resume_from}" if resume_from else "fresh start")

@@ -1,0 +1,151 @@
+"""Every bad config value and every bad data file is one line naming the key or the file, exit status 2, before
+Ray starts (issue #21, items 2 and 3). Each case runs the launch script's `main` in this process, as
+`launch/train_v4_draft.py --run-dir R ARGS` would, with Ray's connect replaced by a failure: a case that got past
+the config and the input resolution would fail the test instead of starting a cluster. The script's own process
+and output are checked once each in tests/test_launch_errors.py.
+
+Run: python -m pytest tests/test_bad_inputs.py -q     (about 30 s on 2 cores, most of it importing Ray Train once)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from launch_helpers import LAUNCH, TINY_MOE
+
+
+@pytest.fixture(scope="module")
+def launch():
+    spec = importlib.util.spec_from_file_location("train_v4_draft", LAUNCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def run(launch, monkeypatch, capsys, tmp_path):
+    """run(args) -> the one `error:` line of `main(["--run-dir", R, *args])`, after asserting exit status 2, no
+    other line but log lines, and no run dir made."""
+    import workers.driver
+
+    def no_ray(cfg):
+        raise AssertionError("Ray would start: the bad input got past the launcher's checks")
+
+    monkeypatch.setattr(workers.driver, "connect_ray", no_ray)
+    for handler in logging.getLogger("dspark.launch").handlers:  # made before capsys: write where it captures
+        monkeypatch.setattr(handler, "stream", sys.stderr)
+    run_dir = tmp_path / "run"
+
+    def call(args: list[str]) -> str:
+        code = launch.main(["--run-dir", str(run_dir), *args])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if not re.match(r"\d\d:\d\d:\d\d (INFO|WARNING) ", ln)]
+        assert code == 2, err[-3000:]
+        assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+        assert not (run_dir / "checkpoints").exists()
+        return lines[0]
+
+    return call
+
+
+CONFIG_CASES = [  # (override, what the line must say)
+    ("draft.num_kv_heads=0", "draft.num_kv_heads must be >= 1, got 0"),
+    ("draft.num_heads=0", "draft.num_heads must be >= 1, got 0"),
+    ("draft.num_layers=0", "draft.num_layers must be >= 1, got 0"),
+    ("train.betas=[2,3]", "train.betas must be 2 values, each in [0, 1), got [2.0, 3.0]"),
+    ("train.betas=[0.9]", "train.betas must be 2 values"),
+    ("data.seed=-1", "data.seed must be in [0, 4294967295], got -1"),
+    ("train.seed=-1", "train.seed must be in [0, 4294967295]"),
+    ("train.grad_clip=-1", "train.grad_clip must be >= 0 (0 = off), got -1.0"),
+    ("target.max_tokens_per_forward=0", "target.max_tokens_per_forward must be >= 1, got 0"),
+    ("cluster.cpus_per_trainer=-1", "cluster.cpus_per_trainer must be >= 0, got -1.0"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1, got 0"),
+    ("checkpoint.every_steps=0", "checkpoint.every_steps must be >= 1"),
+    ("train.lr=.nan", "train.lr must be > 0, got nan"),
+    ("train.lr=inf", "train.lr must be > 0, got inf"),
+    ("train.log_every=0", "train.log_every must be >= 1"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio must be in [0, 1], got 2.0"),
+    ("target.max_restarts=-2", "target.max_restarts must be >= 0, or -1 (no limit), got -2"),
+    ("target.dtype=fp8", "target.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'fp8'"),
+    ("target.resources_per_worker={accel: -1}", "target.resources_per_worker must be a mapping whose values"),
+    ("draft.arch=nope", "draft.arch must be one of ['draft-lm', 'dspark', 'eagle3'], got 'nope'"),
+    ("draft.target_layers=[]", "draft.target_layers must be a non-empty list, each >= 0, or -1"),
+    ("draft.target_layers=[-3]", "draft.target_layers must be a non-empty list"),
+    ("draft.moe.num_experts=0", "draft.moe.num_experts must be >= 1, got 0"),
+    ("draft.moe.top_k=9", "draft.moe.top_k (9) must be <= draft.moe.num_experts (4)"),
+    ("draft.num_heads=8", "draft.num_heads (8) must be a multiple of num_kv_heads (3)"),
+    ("draft.rms_norm_eps=0", "draft.rms_norm_eps must be > 0"),
+    ("loss.decay_lambda=0", "loss.decay_lambda must be > 0"),
+    ("loss.matmul_dtype=fp16", "loss.matmul_dtype must be one of ['auto', 'float32', 'bfloat16']"),
+    ("data.max_len=5", "data.max_len (5) must exceed draft.block_size (5)"),
+    ("data.source=", "data.source must be a non-empty string"),
+    ("cluster.dashboard_host=", "cluster.dashboard_host must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("override, needle", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_a_bad_config_value_is_one_line_naming_the_key_and_range(run, override, needle):
+    line = run([override])
+    assert needle in line, line
+
+
+def _jsonl(path, *lines: str | bytes):
+    path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
+    return path
+
+
+def _parquet(path, **columns):
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+GOOD = json.dumps({"text": "def add(a, b):\n    return a + b\n" * 4})
+
+DATA_CASES = {  # name: (make the file in tmp_path, what the line must say besides the file's path)
+    "invalid JSON line": (lambda d: _jsonl(d / "broken.jsonl", GOOD, '{"text": "unfinished'),
+                          "line 2 is not valid JSON"),
+    "plain text as JSONL": (lambda d: _jsonl(d / "notes.jsonl", "just some notes", "more notes"),
+                            "line 1 is not valid JSON"),
+    "not UTF-8": (lambda d: _jsonl(d / "latin1.jsonl", GOOD, '{"text": "caf\u00e9"}'.encode("latin-1")),
+                  "line 2 is not UTF-8 text (byte 0xe9"),
+    "a number for a record": (lambda d: _jsonl(d / "numbers.jsonl", GOOD, "42"), "line 2 is a JSON int, not an object"),
+    "a JSON array of numbers": (lambda d: _jsonl(d / "array.json", "[1, 2]"), "record 1 is a JSON int, not an object"),
+    "neither text nor messages": (lambda d: _jsonl(d / "prompts.jsonl", GOOD, json.dumps({"prompt": "x"})),
+                                  "prompts.jsonl:2: a record needs a 'text' or a 'messages' field"),
+    "empty assistant turn": (lambda d: _jsonl(d / "chat.jsonl", json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]})),
+        "chat.jsonl:1: assistant turn 1 is empty"),
+    "Parquet with other columns": (lambda d: _parquet(d / "other.parquet", tokens=[[1, 2, 3]], text=["abc"]),
+                                   "no column input_ids; no column loss_mask; training reads input_ids"),
+    "Parquet input_ids not a list": (lambda d: _parquet(d / "flat.parquet", input_ids=[1, 2, 3],
+                                                        loss_mask=[[True], [True], [True]]),
+                                     "input_ids is int64, not a list of integers"),
+    "not Parquet": (lambda d: _jsonl(d / "fake.parquet", GOOD), "is not a readable Parquet file"),
+    "mask and ids of other lengths": (lambda d: _parquet(d / "ragged.parquet", input_ids=[[1, 2, 3], [4, 5, 6]],
+                                                         loss_mask=[[False, True, True], [True, True]]),
+                                      "row 1: input_ids has 3 tokens but loss_mask 2"),
+}
+
+
+def _bad_progress(d):
+    (d / "stage").mkdir()
+    (d / "stage" / "progress.json").write_text("{not json")
+    return d / "stage"
+
+
+DATA_CASES["data-stage progress.json broken"] = (_bad_progress, "progress.json is not valid JSON")
+
+
+@pytest.mark.parametrize("name", list(DATA_CASES))
+def test_a_bad_data_file_is_one_line_naming_the_file(run, tmp_path, name):
+    make, needle = DATA_CASES[name]
+    path = make(tmp_path)
+    line = run([*TINY_MOE, f"data.source={path}"])
+    assert str(path) in line and needle in line, line
