@@ -18,16 +18,25 @@ What a command would train, without starting anything: add --print-config (the r
 Stopping: SIGTERM or Ctrl-C (`ray job stop`, a Kubernetes eviction) checkpoints at the next step boundary and
 exits with status 75; re-running the same command resumes there. A second signal stops at once.
 
-Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr), 1 for a failed run,
-75 for a run stopped on request with its checkpoint saved.
+One driver per run dir: the run dir's lease (workers/lease.py) is taken first; a second driver on the same run dir
+exits 2 naming the one that holds it.
+
+Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr; a run dir that is a file, not
+writable or in use included), 1 for a failed run, 75 for a run stopped on request with its checkpoint saved.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+    from workers.lease import Lease
 
 REPO = Path(__file__).resolve().parents[1]  # the presets are launch/configs/*.yaml of this checkout
 
@@ -82,10 +91,26 @@ def main(argv: list[str] | None = None) -> int:
         print(config_yaml(cfg), end="")
         return 0
 
-    from workers.trainer.checkpoint import CheckpointManager
+    from pipeline.errors import InputError
+    from workers.lease import Lease
 
     run_dir = Path(cfg.checkpoint.run_dir).resolve()
     cfg.checkpoint.run_dir = str(run_dir)
+    try:  # first: a run dir that is a file, not writable or in use by another driver ends here, in a second
+        lease = Lease.acquire(run_dir)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, cfg, run_dir, lease, log)
+    finally:
+        lease.release()
+
+
+def _run(args: argparse.Namespace, cfg: RunConfig, run_dir: Path, lease: Lease, log: logging.Logger) -> int:
+    """The run itself, while this process holds the run dir's lease."""
+    from workers.trainer.checkpoint import CheckpointManager
+
     try:
         latest = CheckpointManager(run_dir, cfg.checkpoint.keep_last).latest()
     except RuntimeError as e:
@@ -99,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from pipeline.errors import InputError
-    from workers.driver import connect_ray, run_training
+    from workers.driver import TrainingFailed, connect_ray, run_training
     from workers.preemption import PREEMPTED_EXIT, StoppedEarly
 
     t0 = time.time()
@@ -108,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.single_process:
             from workers.trainer.single_process import train_single_process
 
-            train_single_process(cfg, log, resume_from=latest)
+            train_single_process(cfg, log, resume_from=latest, fence=lease.fence())
         else:
-            run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log)
+            run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log, fence=lease.fence())
     except StoppedEarly as e:
         failure = (PREEMPTED_EXIT, f"{e} ({run_dir})")
     except InputError as e:
         failure = (2, str(e))
+    except TrainingFailed as e:  # reported once by the trainers (a disk full, a non-finite loss): their line as is
+        failure = (1, f"training failed: {e}")
     except Exception as e:  # a failed run: one clear line, the details are in the worker logs above
         from workers.driver import root_cause
 

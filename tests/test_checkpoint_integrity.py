@@ -10,6 +10,7 @@ Run: python -m pytest tests/test_checkpoint_integrity.py -q     (about 10 s; wit
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import InputError
 from pipeline.resume import check_resume
 from workers.trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager, checkpoint_problem
+from workers.trainer.ledger import write_ledger
 
 
 class FakeEngine:
@@ -73,7 +75,7 @@ def test_manifest_is_written_last_and_lists_every_file(tmp_path, log):
         seen["dir"] = tmp_dir.name
         seen["engine_done"] = (tmp_dir / "ds" / "mp_rank_00_model_states.pt").is_file()
         seen["meta_yet"] = (tmp_dir / "meta.json").exists()
-        (tmp_dir / "ledger.parquet").write_bytes(b"PAR1" + b"x" * 100)
+        write_ledger([(1, 0, 0, 1, (3, 1))], tmp_dir / "ledger.parquet", "digest")
 
     ckpts = CheckpointManager(tmp_path, log=log)
     path = ckpts.save(FakeEngine(), 2, {"config": {}}, 0, lambda: None, extra_files=ledger)
@@ -297,3 +299,137 @@ def test_single_process_resume_skips_a_truncated_newest_checkpoint(tmp_path):
     assert checkpoint_problem(ckpt / "step_00000004") is None  # the bad checkpoint was replaced by a sealed one
     sealed = json.loads((ckpt / "step_00000004" / MANIFEST).read_text())["files"]
     assert {"ledger.parquet", "meta.json", "rng_rank0.pt", "ds/model.safetensors", "ds/optimizer.pt"} <= set(sealed)
+
+
+def _reseal(path, name: str, data: bytes) -> None:
+    """Replace a file of a committed checkpoint and seal it again: the manifest matches, the content is bad."""
+    from workers.trainer.checkpoint import write_manifest
+
+    (path / name).write_bytes(data)
+    (path / MANIFEST).unlink()
+    write_manifest(path)
+
+
+@pytest.mark.parametrize("name, data, reason", [
+    ("meta.json", b'{"step": 6, "config', "meta.json does not parse (JSONDecodeError)"),
+    ("meta.json", b'{"config": {}}', "meta.json does not parse (KeyError)"),
+    ("ledger.parquet", b"PAR1" + b"x" * 100, "ledger.parquet does not read (ArrowInvalid)"),
+])
+def test_a_sealed_checkpoint_that_does_not_parse_falls_back_like_any_other(tmp_path, log, caplog, name, data, reason):
+    ckpts = _save_steps(tmp_path, log)
+    _reseal(ckpts.root / "step_00000006", name, data)
+    assert ckpts.latest() == ckpts.root / "step_00000004"
+    assert _warnings(caplog) == [f"checkpoint step_00000006 is unusable: {reason}; falling back to an older one",
+                                 "using step_00000004, the newest checkpoint that verifies"]
+
+
+def test_a_complete_step_dir_newer_than_latest_is_named_not_used(tmp_path, log, caplog):
+    ckpts = _save_steps(tmp_path, log)
+    (ckpts.root / "latest").write_text("step_00000004\n")  # a crash between the rename and the pointer
+    assert ckpts.latest() == ckpts.root / "step_00000004"
+    assert _warnings(caplog) == [f"step_00000006 is complete but newer than step_00000004, which {ckpts.root}/latest "
+                                 "names: not used (the pointer wins; write step_00000006 into it to resume from "
+                                 "there)"]
+
+
+class _Refused(Exception):
+    pass
+
+
+def test_a_fenced_out_trainer_commits_nothing_and_cleans_nothing(tmp_path, log):
+    """Trainers of a driver whose lease was taken over (workers/lease.Fence.check_commit raises LeaseLost)."""
+    from workers.lease import LeaseLost
+
+    ckpts = _save_steps(tmp_path, log, steps=(2,))
+    theirs = ckpts.root / "step_00000004.tmp"  # the new driver's save in progress
+    theirs.mkdir()
+
+    def fence():
+        raise LeaseLost("checkpoint commit refused: run dir R was taken over")
+
+    fenced = CheckpointManager(tmp_path, keep_last=1, log=log, fence=fence)
+    with pytest.raises(LeaseLost):
+        fenced.save(FakeEngine(4), 4, {"config": {}}, 0, lambda: None)
+    assert theirs.is_dir() and (ckpts.root / "latest").read_text() == "step_00000002\n"
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step_00000002", "step_00000004.tmp"]
+
+    calls = []  # passes the first check (the .tmp clean-up), refused at the commit: no rename, no latest, no prune
+    fenced.fence = lambda: calls.append(1) if len(calls) < 1 else fence()
+    with pytest.raises(LeaseLost):
+        fenced.save(FakeEngine(6), 6, {"config": {}}, 0, lambda: None)
+    assert (ckpts.root / "latest").read_text() == "step_00000002\n" and (ckpts.root / "step_00000002").is_dir()
+    assert not (ckpts.root / "step_00000006").exists()
+
+
+class _FullDisk(FakeEngine):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def save_checkpoint(self, save_dir: str, tag: str) -> None:
+        from pathlib import Path
+
+        (Path(save_dir) / tag).mkdir(parents=True)
+        (Path(save_dir) / tag / "part").write_bytes(b"x" * (3 << 19))  # 1.5 MiB written before the disk filled
+        raise self.error
+
+
+FULL = "the disk is full (ENOSPC)", "free space"
+WRITABLE = "make the run dir writable"
+
+
+@pytest.mark.parametrize("error, what, todo", [
+    (OSError(errno.ENOSPC, "No space left on device"), *FULL),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "the disk quota is exceeded (EDQUOT)",
+     "free space or raise the quota"),
+    (OSError(errno.EROFS, "Read-only file system"), "the file system is read-only (EROFS)", WRITABLE),
+    (PermissionError(errno.EACCES, "Permission denied"), "permission is denied (EACCES)", f"{WRITABLE} for this user"),
+    # safetensors' text, and torch.save's zip writer (no errno: the free space says)
+    (RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"), *FULL),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"), *FULL),
+])
+def test_a_save_that_hits_a_full_disk_is_one_line_and_leaves_no_partial_dir(tmp_path, log, monkeypatch, error, what,
+                                                                             todo):
+    import shutil
+    from collections import namedtuple
+
+    from workers.trainer.checkpoint import StorageError
+
+    ckpts = _save_steps(tmp_path, log, steps=(2,))
+    need = sum(f["size"] for f in json.loads((ckpts.root / "step_00000002" / MANIFEST).read_text())["files"].values())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 << 30, 10 << 30, 0))
+    with pytest.raises(StorageError) as info:
+        ckpts.save(_FullDisk(error), 4, {"config": {}}, 0, lambda: None)
+    assert str(info.value) == (f"cannot save checkpoint step_00000004 under {ckpts.root}: {what}; the last checkpoint, "
+                               f"step_00000002, needed {need / 2**20:.1f} MiB, 0.0 MiB free now; removed the partial "
+                               f"step_00000004.tmp; {todo}, then re-run the same command to resume from step_00000002")
+    assert not (ckpts.root / "step_00000004.tmp").exists() and ckpts.latest() == ckpts.root / "step_00000002"
+
+
+def test_the_first_checkpoint_on_a_full_disk_says_what_it_had_written(tmp_path, log):
+    from workers.trainer.checkpoint import StorageError
+
+    with pytest.raises(StorageError) as info:
+        CheckpointManager(tmp_path, log=log).save(_FullDisk(OSError(errno.ENOSPC, "No space left on device")), 2,
+                                                  {"config": {}}, 0, lambda: None)
+    assert "the disk is full (ENOSPC); this first one had written 1.5 MiB when it failed, " in str(info.value)
+    assert str(info.value).endswith("removed the partial step_00000002.tmp; free space, then re-run the same command")
+
+
+def test_other_save_failures_are_not_storage_errors(tmp_path, log):
+    """Left to Ray Train's restart as before (a peer died mid-save, a bug): only the cause is re-raised."""
+    with pytest.raises(RuntimeError, match="^boom$"):
+        CheckpointManager(tmp_path, log=log).save(_FullDisk(RuntimeError("boom")), 2, {"config": {}}, 0,
+                                                  lambda: None)
+
+
+def test_storage_and_lease_errors_are_reported_once_not_retried():
+    """workers/trainer/ray_trainer.FATAL_ERRORS: recorded in RunControl, so the retried trainer group returns at once
+    and the driver exits 1 with the line (tests/test_faults.py proves the mechanism through Ray Train)."""
+    pytest.importorskip("ray")
+    from workers.lease import LeaseLost
+    from workers.trainer.checkpoint import StorageError
+    from workers.trainer.ray_trainer import FATAL_ERRORS
+
+    assert issubclass(StorageError, FATAL_ERRORS) and issubclass(LeaseLost, FATAL_ERRORS)

@@ -1,9 +1,12 @@
-"""The sample ledger: write/read round trip, and an audit that catches a duplicated, a lost and a wrong batch.
+"""The sample ledger: write/read round trip, an audit that catches a duplicated, a lost and a wrong batch, and the
+audit CLI's one line on a run dir it cannot read.
 
 Run: python -m pytest tests/test_ledger.py -q
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pipeline.order import batch_index_for, batch_sample_ids
 from workers.trainer.ledger import Ledger, audit, read_ledger, write_ledger
@@ -64,3 +67,36 @@ def test_samples_digest_sees_tokens_and_masks_not_the_container():
              TokenizedSample(1, np.array([2, 3]), np.array([1, 1], dtype=bool))]
     assert samples_digest(a) == samples_digest(same)
     assert len({samples_digest(x) for x in (a, other_mask, split)}) == 3
+
+
+def _cli(capsys, path) -> tuple[int, list[str]]:
+    from workers.trainer.ledger import main
+
+    code = main([str(path)])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_the_audit_cli_prints_one_line_on_a_run_dir_it_cannot_read(tmp_path, capsys, monkeypatch):
+    """python -m workers.trainer.ledger RUN_DIR: exit 2 and one line, never a traceback."""
+    missing = tmp_path / "nothing"
+    assert _cli(capsys, missing) == (2, [f"error: no checkpoint with a ledger.parquet at {missing}"])
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("garbage\n")
+    code, lines = _cli(capsys, tmp_path)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: cannot audit {tmp_path}: CheckpointError: ")
+
+    ckpt = tmp_path / "ckpt"  # a checkpoint dir given directly, its ledger unreadable
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text('{"step": 1, "config": {"data": {"samples_per_batch": 3, "seed": 5}}, '
+                                    '"data_position": {"num_samples": 10, "grad_accum": 2, "world_size": 2}}')
+    (ckpt / "ledger.parquet").write_bytes(b"PAR1 not parquet")
+    code, lines = _cli(capsys, ckpt)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: cannot audit {ckpt}: ArrowInvalid: "), lines
+
+    def denied(*_a, **_k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "is_file", denied)  # a run dir this user may not read
+    assert _cli(capsys, tmp_path) == (2, [f"error: cannot audit {tmp_path}: PermissionError: [Errno 13] Permission "
+                                          "denied"])

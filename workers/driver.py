@@ -17,6 +17,7 @@ from pipeline.config import RunConfig, save_config
 from pipeline.errors import InputError
 from pipeline.resume import check_resume, check_samples
 from workers.inputs import resolve_inputs, write_run_samples
+from workers.lease import Fence
 
 # the checkout this module runs from; Ray workers started by this driver import the same code (worker_runtime_env)
 REPO = Path(__file__).resolve().parents[1]
@@ -76,9 +77,10 @@ def connect_ray(cfg) -> None:
 
 
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
-                 log: logging.Logger) -> None:
+                 log: logging.Logger, fence: Fence | None = None) -> None:
     """Train to the end, or raise StoppedEarly after a stop request (SIGTERM/SIGINT on this process, or on a
-    trainer: workers/run_control.py) once every trainer has checkpointed the same step."""
+    trainer: workers/run_control.py) once every trainer has checkpointed the same step. `fence`: the run dir's
+    lease as this driver holds it (workers/lease.py); the trainers check it every step and before every commit."""
     import json
 
     import ray
@@ -133,7 +135,8 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.to_dict(), "service": service, "control": control,
-                           "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest},
+                           "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest,
+                           "fence": fence},
         torch_config=trainer_torch_config(ray.nodes()),  # a local cluster's process group on loopback
         scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
                                      resources_per_worker=resources),

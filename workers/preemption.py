@@ -22,6 +22,7 @@ class Notice(NamedTuple):
 
     stop: bool = False  # checkpoint after this step, then return (the job exits PREEMPTED_EXIT)
     checkpoint: bool = False  # checkpoint after this step and train on (a node is about to go)
+    gone: str = ""  # why this rank's driver is gone (workers/lease.py): every rank stops at once, writing nothing
 
 
 class StoppedEarly(Exception):

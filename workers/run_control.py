@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from workers.lease import Fence
 from workers.preemption import Notice
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,16 @@ class StopPoller:
     - checkpoint: Ray Train reports that a node of this group is being drained (a spot reclaim or an autoscaler
       drain, `ray.train.get_preemption_info`). The group checkpoints at once and trains on; when the node goes,
       Ray Train restarts the group and it resumes from that checkpoint, losing nothing. Reported once per
-      notice. (`get_preemption_info` is a collective of the group: every rank calls it each step.)"""
+      notice. (`get_preemption_info` is a collective of the group: every rank calls it each step.)
+    - gone: the driver is gone: the run dir's lease was taken over, released or not renewed (workers/lease.py), or
+      RunControl, which dies with the driver, is dead. Every rank stops at once and commits nothing."""
 
-    def __init__(self, control: Any, local_stop: threading.Event, timeout_s: float = 10.0) -> None:
+    def __init__(self, control: Any, local_stop: threading.Event, timeout_s: float = 10.0,
+                 fence: Fence | None = None) -> None:
         """`local_stop`: set by this rank's own SIGTERM handler (workers/preemption.stop_on_signal), which also
-        tells RunControl, so the other ranks stop after the same step."""
-        self.control, self.local_stop, self.timeout_s = control, local_stop, timeout_s
+        tells RunControl, so the other ranks stop after the same step. `fence`: the run dir's lease as the driver
+        took it (workers/lease.py), read every step."""
+        self.control, self.local_stop, self.timeout_s, self.fence = control, local_stop, timeout_s, fence
         self._drain_seen = False
 
     def __call__(self) -> Notice:
@@ -68,11 +73,16 @@ class StopPoller:
         self._drain_seen = drained
         if checkpoint:
             log.warning("a node of this trainer group is being drained: checkpointing now")
+        gone = (self.fence.check() if self.fence is not None else None) or ""
         if self.local_stop.is_set():
-            return Notice(stop=True, checkpoint=checkpoint)
+            return Notice(stop=True, checkpoint=checkpoint, gone=gone)
         try:
             stop = ray.get(self.control.stop_reason.remote(), timeout=self.timeout_s) is not None
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
             log.warning("run control did not answer within %.0f s; training on", self.timeout_s)
             stop = False
-        return Notice(stop=stop, checkpoint=checkpoint)
+        except ray.exceptions.RayActorError:
+            # RunControl restarts after its own crashes (max_restarts=-1): dead for good means its owner, the
+            # driver, died (Ray kills a driver's actors with it, but not at once: seen ~2 s of training on)
+            stop, gone = False, gone or "the driver is gone (its run control actor died with it)"
+        return Notice(stop=stop, checkpoint=checkpoint, gone=gone)

@@ -23,6 +23,7 @@ DeepSpeed unpickles its own checkpoint files (see "Trust boundary" there).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ import torch
 
 from pipeline.atomic import fsync_dir, sha256_file, write_text_atomic
 from pipeline.metrics import get_logger
+from workers.lease import LeaseLost
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -47,6 +49,52 @@ _STEP_DIR = re.compile(r"step_(\d{8})")
 
 class CheckpointError(RuntimeError):
     """The run dir's checkpoints cannot be used as they are; the message is one line for the user."""
+
+
+class StorageError(CheckpointError):
+    """A save failed because the run dir cannot hold it (a full disk, a quota, a read-only file system, a permission
+    error): a restart would fail the same way after re-training the same steps, so it is fatal
+    (workers/trainer/ray_trainer.FATAL_ERRORS). One line: what, how much the last checkpoint needed, what to do."""
+
+
+# errno -> what the user reads; what to do about it
+STORAGE_ERRNOS = {
+    errno.ENOSPC: ("the disk is full", "free space"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space or raise the quota"),
+    errno.EROFS: ("the file system is read-only", "make the run dir writable"),
+    errno.EACCES: ("permission is denied", "make the run dir writable for this user"),
+    errno.EPERM: ("the operation is not permitted", "make the run dir writable for this user"),
+}
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os error (\d+)")  # Python's OSError text, Rust's (safetensors)
+FULL_BELOW = 1 << 20  # free bytes under which a write error without an errno (torch.save's zip writer) is ENOSPC
+
+
+def storage_errno(e: BaseException, root: Path) -> int | None:
+    """The errno of STORAGE_ERRNOS behind a failed save, or None if it is some other failure. torch.save reports
+    a full disk as a RuntimeError without an errno ('unexpected pos ...'), safetensors as text ('os error 28'):
+    the cause chain is searched, and an error with no errno on a disk with less than 1 MiB free counts as full."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        code = getattr(x, "errno", None)
+        if code is None and (m := _ERRNO_IN_TEXT.search(str(x))):
+            code = int(m.group(1) or m.group(2))
+        if code in STORAGE_ERRNOS:
+            return code
+        x = x.__cause__ or x.__context__
+    try:
+        return errno.ENOSPC if shutil.disk_usage(root).free < FULL_BELOW else None
+    except OSError:
+        return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
 def _step_dir_name(step: int) -> str:
@@ -105,14 +153,33 @@ def checkpoint_problem(path: Path, verify: str = "full") -> str | None:
             _, digest = sha256_file(f)
             if digest != want_sha:
                 return f"{rel} has sha256 {digest[:12]}..., the manifest says {want_sha[:12]}..."
+    # sealed but unreadable (the manifest proves the bytes are the ones saved, not that they parse)
+    try:
+        int(json.loads((path / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"meta.json does not parse ({type(e).__name__})"
+    if verify == "full":  # the sample ledger (workers/trainer/ledger.py) and any other table saved with it
+        import pyarrow.parquet as pq
+
+        for rel, _, _ in entries:
+            if rel.endswith(".parquet"):
+                try:
+                    pq.read_table(path / rel)
+                except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds; any is "unreadable"
+                    return f"{rel} does not read ({type(e).__name__})"
     return None
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int = 3, log: logging.Logger | None = None) -> None:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3, log: logging.Logger | None = None,
+                 fence: Callable[[], None] | None = None) -> None:
+        """`fence`: raises LeaseLost unless this process's driver still owns the run dir (workers/lease.Fence.
+        check_commit); called by rank 0 before it touches anything shared: the .tmp clean-up, and the rename,
+        `latest` and pruning of a commit."""
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.log = log or get_logger("dspark.checkpoint")
+        self.fence = fence or (lambda: None)
 
     def latest(self, verify: str = "full") -> Path | None:
         """The checkpoint to resume from: the one `latest` names if it verifies, else the newest older one that
@@ -142,6 +209,11 @@ class CheckpointManager:
                 raise CheckpointError(f"{pointer} holds {named!r}, not a step_XXXXXXXX name; point it at a "
                                       f"checkpoint under {self.root} or remove it")
             candidates = [self.root / named, *(d for d in steps[::-1] if _step_of(d.name) < named_step)]
+            newer = [d.name for d in steps if _step_of(d.name) > named_step and checkpoint_problem(d, "size") is None]
+            if newer:
+                self.log.warning("%s %s complete but newer than %s, which %s names: not used (the pointer wins; "
+                                 "write %s into it to resume from there)", ", ".join(newer),
+                                 "is" if len(newer) == 1 else "are", named, pointer, newer[-1])
         first_problem = None
         for i, path in enumerate(candidates):
             problem = checkpoint_problem(path, verify)
@@ -158,10 +230,45 @@ class CheckpointManager:
              extra_files: Callable[[Path], None] | None = None) -> Path:
         """Collective: every rank calls it with the same step. Returns the final checkpoint directory.
         `extra_files(tmp_dir)` runs on rank 0 after every rank wrote its engine state, before meta.json and the
-        manifest, so what it writes into tmp_dir is part of the verified checkpoint."""
-        final = self.root / _step_dir_name(step)
+        manifest, so what it writes into tmp_dir is part of the verified checkpoint. A full disk, a quota, a
+        read-only file system or a permission error is StorageError (one line), with the partial dir removed;
+        LeaseLost when this run no longer owns the run dir."""
         tmp = self.root / (_step_dir_name(step) + ".tmp")
+        try:
+            return self._save(engine, step, meta, rank, barrier, extra_files, tmp)
+        except (LeaseLost, CheckpointError):
+            raise
+        except Exception as e:
+            code = storage_errno(e, self.root)
+            if code is None:
+                raise
+            written = _dir_bytes(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint must not keep the disk full
+            raise StorageError(self._storage_message(code, step, written)) from e
+
+    def _storage_message(self, code: int, step: int, written: int) -> str:
+        what, todo = STORAGE_ERRNOS[code]
+        try:
+            last = (self.root / LATEST).read_text().strip()
+            files = json.loads((self.root / last / MANIFEST).read_text())["files"]
+            need = f"the last checkpoint, {last}, needed {_mib(sum(int(f['size']) for f in files.values()))}"
+            then = f"re-run the same command to resume from {last}"
+        except (OSError, ValueError, KeyError, TypeError):
+            need = f"this first one had written {_mib(written)} when it failed"
+            then = "re-run the same command"
+        try:
+            free = f"{_mib(shutil.disk_usage(self.root).free)} free now"
+        except OSError:
+            free = "free space unknown"
+        return (f"cannot save checkpoint {_step_dir_name(step)} under {self.root}: {what} "
+                f"({errno.errorcode[code]}); {need}, {free}; removed the partial {_step_dir_name(step)}.tmp; "
+                f"{todo}, then {then}")
+
+    def _save(self, engine: Any, step: int, meta: dict[str, Any], rank: int, barrier: Callable[[], None],
+              extra_files: Callable[[Path], None] | None, tmp: Path) -> Path:
+        final = self.root / _step_dir_name(step)
         if rank == 0:
+            self.fence()
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -176,6 +283,7 @@ class CheckpointManager:
             record = {**meta, "step": step, "format": FORMAT, "saved_at": time.time()}
             write_text_atomic(tmp / "meta.json", json.dumps(record, indent=1, default=str))
             write_manifest(tmp)
+            self.fence()  # the commit: only while this run's driver owns the run dir
             if final.exists():  # a re-run of the same step after a crash: replace it with the fresh one
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -136,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m workers.trainer.ledger RUN_DIR_OR_CHECKPOINT_DIR", file=sys.stderr)
         return 2
     path = Path(args[0])
-    ckpt = path if (path / "meta.json").is_file() else CheckpointManager(path).latest()
-    if ckpt is None or not (ckpt / LEDGER_FILE).is_file():
-        print(f"error: no checkpoint with a {LEDGER_FILE} at {path}", file=sys.stderr)
+    try:
+        ckpt = path if (path / "meta.json").is_file() else CheckpointManager(path).latest()
+        if ckpt is None or not (ckpt / LEDGER_FILE).is_file():
+            print(f"error: no checkpoint with a {LEDGER_FILE} at {path}", file=sys.stderr)
+            return 2
+        result = audit_checkpoint(ckpt)
+    except Exception as e:  # noqa: BLE001 - unreadable in any way (permissions, a bad file): one line, not a traceback
+        text = str(e).strip().splitlines()
+        print(f"error: cannot audit {path}: {type(e).__name__}{': ' + text[0] if text else ''}", file=sys.stderr)
         return 2
-    result = audit_checkpoint(ckpt)
     print(f"{ckpt}: {result.line()}")
     return 0 if result.exactly_once else 1
 

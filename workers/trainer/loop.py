@@ -12,7 +12,8 @@ parameters:
 - `ledger`    a workers/trainer/ledger.Ledger (from `resume`): the samples each committed step trained.
 - `poll`      called once per step on every rank: a workers/preemption.Notice. If any rank says stop, every
               rank checkpoints after that step and `fit` returns early; if any says checkpoint, all checkpoint
-              after that step and go on (a node of the group is being drained).
+              after that step and go on (a node of the group is being drained); if any says its driver is gone
+              (workers/lease.py), every rank raises LeaseLost at once, writing nothing more.
 
 Per step: fetch, `optimizer_step` (workers/trainer/step.py: loss scaling and the step itself), the all-reduced
 metrics, one log line, the sink, and a checkpoint (with the sample ledger) every
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
+from workers.lease import LeaseLost
 from workers.preemption import Notice
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
@@ -139,8 +141,11 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                 torch.cuda.synchronize()  # so that dt is the step's time, not the time to queue its kernels
             # the ranks' votes ride on the metrics' all-reduce, so all of them act after the same step
             notice = poll() if poll is not None else Notice()
-            *totals, stop_votes, ckpt_votes = all_reduce_sum([*rank_sums.values(), float(notice.stop),
-                                                              float(notice.checkpoint)])
+            *totals, stop_votes, ckpt_votes, gone_votes = all_reduce_sum(
+                [*rank_sums.values(), float(notice.stop), float(notice.checkpoint), float(bool(notice.gone))])
+            if gone_votes > 0:  # the run dir is not this driver's any more: no metrics, no checkpoint
+                raise LeaseLost(f"stopping at step {step + 1}, before its checkpoint and metrics: "
+                                f"{notice.gone or 'another trainer rank found its driver gone'}")
             metrics = step_metrics(totals, global_w, cfg, world, time.time() - t0, t_data, engine.get_lr()[0],
                                    step + 1)
             if rank == 0:

@@ -25,6 +25,7 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
+from workers.lease import LeaseLost
 from workers.preemption import stop_on_signal
 from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
@@ -92,7 +93,9 @@ class FeatureServiceBatches:
 # Errors a restart of the trainer group would only repeat (a non-finite loss, a bad checkpoint, a batch that never
 # comes, a bad value): reported once instead of being retried cluster.max_failures times. Anything else (a peer
 # rank died, a collective broke, an actor was lost) is left to Ray Train's restart.
-FATAL_ERRORS = (FloatingPointError, ValueError, TimeoutError, CheckpointError)
+# LeaseLost: the driver is gone or another took the run dir over; a restarted group would find the same. A
+# CheckpointError includes a save that hit a full disk, a quota, a read-only file system or a permission error.
+FATAL_ERRORS = (FloatingPointError, ValueError, TimeoutError, CheckpointError, LeaseLost)
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -104,7 +107,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     try:
         _train(loop_config)
     except FATAL_ERRORS as e:
-        ray.get(control.record_fatal.remote(f"{type(e).__name__}: {e}"))
+        try:
+            ray.get(control.record_fatal.remote(f"{type(e).__name__}: {e}"))
+        except ray.exceptions.RayActorError:
+            pass  # RunControl died with the driver: nobody is left to retry the group
         raise
 
 
@@ -121,7 +127,9 @@ def _train(loop_config: dict[str, Any]) -> None:
     setup_moe_balance(draft)
     if cfg.train.compile:
         compile_draft(draft)
-    ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last)
+    fence = loop_config.get("fence")  # workers/lease.Fence: commits only while the driver's lease is current
+    ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last,
+                              fence=fence.check_commit if fence is not None else None)
     # Every (re)start finds its own resume point: after a trainer failure Ray Train runs this function again,
     # and the checkpoint to continue from is the newest one committed so far, not the one the job started from.
     # Rank 0 decides (verifying it) and tells the others, so that all ranks load the same one.
@@ -150,7 +158,7 @@ def _train(loop_config: dict[str, Any]) -> None:
         with stop_on_signal(lambda name: control.request_stop.remote(f"{name} on a trainer"),
                             signals=(signal.SIGTERM,)) as local_stop:
             result = fit(engine, batches, ckpts, sink, cfg, rank, world, start_step, log, ledger=ledger,
-                         poll=StopPoller(control, local_stop), num_samples=loop_config["num_samples"])
+                         poll=StopPoller(control, local_stop, fence=fence), num_samples=loop_config["num_samples"])
         if cfg.checkpoint.export and result.stopped_at is None:
             _export(engine, cfg, rank)
     finally:

@@ -29,6 +29,7 @@ from pipeline.config import RunConfig, save_config
 from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
+from workers.lease import Fence
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.engines import TorchEngine
@@ -75,9 +76,10 @@ class LocalBatches:
 
 
 def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "auto",
-                         resume_from: Path | None = None) -> Path:
+                         resume_from: Path | None = None, fence: Fence | None = None) -> Path:
     """Train `cfg` to the end in this process, from checkpoint `resume_from` if given; returns the export
-    directory."""
+    directory. `fence`: the run dir's lease this process holds (workers/lease.py), checked every step and before
+    every commit (a process paused past the lease's ttl, then taken over, writes nothing more)."""
     from pipeline.errors import InputError
     from pipeline.resume import check_resume, check_samples
     from pipeline.sample_store import samples_digest as digest_samples
@@ -118,7 +120,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     if cfg.train.compile:
         compile_draft(module.draft)
     engine = TorchEngine(module, cfg)
-    ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
+    ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last,
+                              fence=fence.check_commit if fence is not None else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_digest = digest_samples(samples)  # what the ledger's sample ids refer to (no samples file: in memory)
     if meta is not None:
@@ -134,7 +137,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     try:
         with stop_on_signal(lambda _name: None) as stop:
             result = fit(engine, LocalBatches(worker, samples, cfg, dev), ckpts, sink, cfg, 0, 1, start_step, log,
-                         ledger=ledger, poll=lambda: Notice(stop=stop.is_set()),
+                         ledger=ledger,
+                         poll=lambda: Notice(stop=stop.is_set(), gone=(fence.check() if fence else None) or ""),
                          num_samples=len(samples))
     finally:
         sink.close()
