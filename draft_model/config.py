@@ -194,7 +194,8 @@ class DraftConfig:
     #                          target's tokenizer and chat template (pipeline/mask_token.py)
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "arch": Range(choices=lambda: _registered_archs()), "vocab_size": at_least(0, note="0 = the target's"),
+        "arch": Range(nonempty=True, note="a name in draft_model.registry; RunConfig.validate checks it"),
+        "vocab_size": at_least(0, note="0 = the target's"),
         "hidden_size": at_least(0, note="0 = the target's"),
         "target_layers": at_least(0, also=(FINAL_HIDDEN,), note="the final pre-LM-head state", nonempty=True),
         "block_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1), "num_kv_heads": at_least(1),
@@ -303,12 +304,6 @@ class LossConfig:
         if self.ce_weight == self.tv_weight == self.conf_weight == 0:
             raise ValueError("loss.ce_weight, loss.tv_weight and loss.conf_weight are all 0: nothing would train; "
                              "give at least one a weight > 0")
-
-
-def _registered_archs() -> list[str]:
-    from draft_model.registry import DRAFTS  # filled by draft_model/__init__.py, which every import runs first
-
-    return sorted(DRAFTS)
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> list[int]:

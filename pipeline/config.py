@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import yaml
 
 from draft_model.config import FREE, SEED, TEXT, DraftConfig, LossConfig, Range, above, at_least, check_ranges, one_of
+from draft_model.registry import DRAFTS
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _NO_LIMIT = {"also": (-1,), "note": "no limit"}
@@ -172,6 +173,8 @@ class RunConfig:
         for section in ("target", "data", "train", "cluster", "checkpoint"):
             check_ranges(getattr(self, section), section)
         self.draft.validate()
+        if self.draft.arch not in DRAFTS:  # here, not in DraftConfig: the registry imports the draft config
+            raise ValueError(f"draft.arch must be one of {sorted(DRAFTS)}, got {self.draft.arch!r}")
         self.loss.validate()
         t = self.target
         checks = [
