@@ -51,6 +51,8 @@ def check_mask_token(token_id: int, tokenizer, samples: Iterable) -> None:
         raise ValueError(f"draft.mask_token_id={token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r}) is a token "
                          "the chat template or the tokenizer's bos/eos/pad writes; choose another id, or -1 to "
                          "choose automatically")
+    if hasattr(samples, "holds_token") and not samples.holds_token(token_id):
+        return  # a scanned source (pipeline/data/parquet_source.py) knows its token ids: no loop over samples
     for i, sample in enumerate(samples):
         if np.any(np.asarray(sample.input_ids) == token_id):
             raise ValueError(f"draft.mask_token_id={token_id} occurs in training sample {i}: the mask slot would "
