@@ -29,10 +29,11 @@ import pyarrow.parquet as pq
 from pipeline.contracts import TokenizedSample
 
 SAMPLES_FILE = "samples.parquet"
-# Rows per row group: SampleStore decodes a whole row group to take one of its rows, so a batch of random ids
-# costs about samples_per_batch row groups; smaller groups decode less per batch, larger ones keep the footer
-# (one entry per group and column) small. 1024 keeps both small at 10^6 samples.
-ROW_GROUP_ROWS = 1024
+# Rows per row group. SampleStore decodes a whole row group (pyarrow reads no finer) to take one of its rows, and
+# a batch of random ids lands in about samples_per_batch different groups: small groups keep a batch's read near
+# the size of its own rows. Values are stored plain (no dictionary), which decodes fastest. The footer grows by one
+# entry per group and column, still small at 10^6 samples (docs/data_stage.md, "Scale").
+ROW_GROUP_ROWS = 128
 SCHEMA = pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
                     ("loss_mask", pa.list_(pa.bool_()))])
 _CHUNK = 4096  # samples per chunk when a list of samples is written or digested
@@ -81,7 +82,7 @@ class SamplesWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._writer = pq.ParquetWriter(self._tmp, SCHEMA)
+        self._writer = pq.ParquetWriter(self._tmp, SCHEMA, use_dictionary=False)
         self._rows = row_group_rows
         self._hash = hashlib.sha256()
         self.num_samples = 0
@@ -146,7 +147,7 @@ class SampleStore:
     """Rows of a samples.parquet by id, memory-mapped. Only the row groups that hold the ids asked for are
     decoded (the last `cache_groups` of them kept), so the reader's memory does not grow with the data set."""
 
-    def __init__(self, path: str | os.PathLike, cache_groups: int = 16) -> None:
+    def __init__(self, path: str | os.PathLike, cache_groups: int = 64) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no samples file (the driver writes it before training starts)")
