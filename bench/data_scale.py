@@ -131,12 +131,14 @@ class Watch(threading.Thread):
         self.phases = ""
 
     def run(self) -> None:
+        alive = None
         while self.proc.poll() is None:
             self.driver_kib = max(self.driver_kib, _peak_kib(self.proc.pid))
-            if self.service_pid is None or not Path(f"/proc/{self.service_pid}").exists():
-                self.service_pid = next((p for p in _descendants(self.proc.pid) if _is_service(p)), None)
-            if self.service_pid is not None:
-                self.service_kib = max(self.service_kib, _peak_kib(self.service_pid))
+            if alive is None or not Path(f"/proc/{alive}").exists():  # not found yet, or restarted, or gone
+                alive = next((p for p in _descendants(self.proc.pid) if _is_service(p)), None)
+                self.service_pid = alive or self.service_pid
+            if alive is not None:
+                self.service_kib = max(self.service_kib, _peak_kib(alive))
             if self.first_step_s is None and logged_steps(self.run_dir) > self.after_step:
                 self.first_step_s = time.time() - self.t0
             time.sleep(0.2)
