@@ -10,7 +10,8 @@ not in the training data, not in what the chat template writes, not a token the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -45,17 +46,20 @@ def choose_mask_token(tokenizer) -> int:
                      "draft.mask_token_id to a token id the data never holds")
 
 
-def first_sample_holding(token_id: int, samples: Sequence, chunk: int = 8192) -> int | None:
+def first_sample_holding(token_id: int, samples: Iterable, chunk: int = 8192) -> int | None:
     """Index of the first sample whose input_ids hold `token_id`, or None. Vectorised: the ids of `chunk` samples
     at a time are joined into one array and compared at once (a loop of one comparison per sample took seconds per
     million samples); the chunk bounds the copy to a few MB whatever the data set's size."""
-    for start in range(0, len(samples), chunk):
-        ids = [s.input_ids for s in samples[start:start + chunk]]
-        hit = np.flatnonzero(np.concatenate(ids) == token_id) if ids else ()
+    rows = iter(samples)  # a list, or a source that streams its rows (pipeline/data/parquet_source.py)
+    for start in itertools.count(0, chunk):
+        ids = [s.input_ids for s in itertools.islice(rows, chunk)]
+        if not ids:
+            return None
+        hit = np.flatnonzero(np.concatenate(ids) == token_id)
         if len(hit):
             ends = np.cumsum([len(x) for x in ids])
             return start + int(np.searchsorted(ends, hit[0], side="right"))
-    return None
+    raise AssertionError("unreachable")  # itertools.count never ends; the loop returns
 
 
 def check_mask_token(token_id: int, tokenizer, samples: Sequence) -> None:
@@ -64,6 +68,8 @@ def check_mask_token(token_id: int, tokenizer, samples: Sequence) -> None:
         raise ValueError(f"draft.mask_token_id={token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r}) is a token "
                          "the chat template or the tokenizer's bos/eos/pad writes; choose another id, or -1 to "
                          "choose automatically")
+    if hasattr(samples, "holds_token") and not samples.holds_token(token_id):
+        return  # a scanned source (pipeline/data/parquet_source.py) knows its token ids: no pass over the samples
     i = first_sample_holding(token_id, samples)
     if i is not None:
         raise ValueError(f"draft.mask_token_id={token_id} occurs in training sample {i}: the mask slot would "

@@ -45,6 +45,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "pipeline_overlap": (["--steps", "1", "--warmup", "1", *TINY_MOE],
                          rf"pipeline_tok_s={NUM} target_only={NUM} trainer_only={NUM} "
                          rf"ratio pipeline/min\(parts\)={NUM}", 900),
+    # two launches (fresh, then resumed) on a synthetic data stage of 2000 samples up to 8k tokens
+    "data_scale": (["--samples", "2000", "--steps", "2", "--work-dir", "{tmp}/work"],
+                   rf"data_scale samples=2000 first_step_s={NUM} driver_peak_rss_gb={NUM} service_peak_rss_gb={NUM} "
+                   rf"resume_s={NUM}", 900),
     "regenerate_throughput": (["--max-new-tokens", "4", "--batch-sizes", "4"],
                               rf"batch 4: +{NUM} s \| \d+ new tokens \| +{NUM} tok/s \| \d+/\d+ finished", 600),
     "heldout_acceptance": (["a={tmp}/a", "b={tmp}/b", "--target", "tiny-qwen3-moe", "--prompts", "1", "--max-new", "4",

@@ -102,7 +102,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         except ValueError as e:
             raise InputError(str(e)) from e
         check_resume(cfg, meta)
-    target_path, samples = resolve_inputs(cfg, log)
+    target_path, samples = resolve_inputs(cfg, log, in_memory=False)  # a Parquet source stays on disk
     run_dir = Path(cfg.checkpoint.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_path, samples_digest = write_run_samples(samples, run_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import InputError
@@ -32,8 +33,11 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
         raise InputError(str(e)) from e
 
 
-def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
+def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None, in_memory: bool = True):
+    """The run's samples: a list of TokenizedSample, or with `in_memory=False` and a data-stage Parquet source, a
+    ParquetSamples that the driver streams into the run's samples file without holding the data set."""
     from pipeline.data.corpus import default_corpus, load_jsonl_corpus
+    from pipeline.data.parquet_source import ParquetSamples
     from pipeline.data.rows import load_parquet_corpus
     from workers.target.model import load_tokenizer
 
@@ -42,23 +46,26 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None) -> list:
         if cfg.data.source == "default":
             samples = default_corpus(tokenizer, cfg.data.max_len, cfg.data.num_samples, cfg.data.seed)
         elif cfg.data.source.endswith(".parquet") or Path(cfg.data.source).is_dir():  # launch/prepare_data.py output
-            samples = load_parquet_corpus(cfg.data.source, max_len=cfg.data.max_len, num_samples=cfg.data.num_samples)
+            load = load_parquet_corpus if in_memory else ParquetSamples
+            samples = load(cfg.data.source, max_len=cfg.data.max_len, num_samples=cfg.data.num_samples)
         else:
             samples = load_jsonl_corpus(cfg.data.source, tokenizer, max_len=cfg.data.max_len,
                                         num_samples=cfg.data.num_samples)
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from e
-    if not samples:
+    if not len(samples):
         raise InputError(f"dataset {cfg.data.source!r} has no samples")
-    trainable = sum(1 for s in samples if len(s.input_ids) >= 2 and s.loss_mask[1:].any())
+    trainable = samples.trainable if isinstance(samples, ParquetSamples) else sum(
+        1 for s in samples if len(s.input_ids) >= 2 and s.loss_mask[1:].any())
     if trainable == 0:
         raise InputError(f"dataset {cfg.data.source!r}: none of its {len(samples)} samples has a trainable block "
                          f"(every sequence is shorter than 2 tokens or has no loss-masked token)")
     return samples
 
 
-def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
-    """The target's path and the training samples, after every check that needs no worker (InputError if bad)."""
+def resolve_inputs(cfg: RunConfig, log: logging.Logger, in_memory: bool = True) -> tuple[Path, Any]:
+    """The target's path and the training samples, after every check that needs no worker (InputError if bad).
+    `in_memory=False` (the Ray driver): a data-stage source stays on disk (see load_samples)."""
     try:
         target_path = resolve_target_path(cfg.target.path)
     except FileNotFoundError as e:
@@ -67,13 +74,13 @@ def resolve_inputs(cfg: RunConfig, log: logging.Logger) -> tuple[Path, list]:
     from workers.target.model import load_tokenizer
 
     tokenizer = load_tokenizer(target_path)
-    samples = load_samples(cfg, target_path, tokenizer)
+    samples = load_samples(cfg, target_path, tokenizer, in_memory)
     log.info("data: %d samples (%s), target %s", len(samples), cfg.data.source, target_path)
     resolve_mask_token(cfg, tokenizer, samples, log)
     return target_path, samples
 
 
-def resolve_mask_token(cfg: RunConfig, tokenizer, samples: list, log: logging.Logger) -> None:
+def resolve_mask_token(cfg: RunConfig, tokenizer, samples, log: logging.Logger) -> None:
     """draft.mask=token: choose the id when it is -1, then check it against the template and the data."""
     if cfg.draft.mask != "token":
         return
@@ -89,10 +96,15 @@ def resolve_mask_token(cfg: RunConfig, tokenizer, samples: list, log: logging.Lo
         raise InputError(str(e)) from e
 
 
-def write_run_samples(samples: list, run_dir: Path) -> tuple[Path, str]:
+def write_run_samples(samples, run_dir: Path) -> tuple[Path, str]:
     """The run's samples as <run_dir>/samples.parquet (the feature service reads rows from it by id) and the
     sha256 of their tokens. A resumed run rewrites it from the same source; comparing the digest with the
-    checkpoint's proves the samples did not change under the run."""
-    from pipeline.sample_store import SAMPLES_FILE, samples_digest, write_samples
+    checkpoint's proves the samples did not change under the run. `samples` is a list or a ParquetSamples (read
+    a batch of rows at a time); the digest is computed as the rows are written."""
+    from pipeline.sample_store import SAMPLES_FILE, SamplesWriter, list_chunks
 
-    return write_samples(samples, run_dir / SAMPLES_FILE), samples_digest(samples)
+    chunks = list_chunks(samples) if isinstance(samples, list) else samples.chunks()
+    with SamplesWriter(run_dir / SAMPLES_FILE) as writer:
+        for chunk in chunks:
+            writer.write(*chunk)
+    return writer.path, writer.digest

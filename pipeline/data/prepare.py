@@ -14,6 +14,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.atomic import write_text_atomic
@@ -62,6 +64,31 @@ def summarize(completed: dict) -> dict:
         "dropped": {r: dropped.get(r, 0) for r in REASONS},
         "dropped_total": sum(dropped.values()),
     }
+
+
+def commit_shard(out: Path, state: dict, key: str, table: pa.Table, records: int, dropped: Counter) -> None:
+    """Write shard `key`'s rows (rows.SCHEMA) to a temp name, rename it into place, then name it in progress.json
+    (replaced atomically) with its counts."""
+    name = f"part-{key}.parquet"
+    tmp = out / (name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd", compression_level=3)
+    os.replace(tmp, out / name)
+    tokens = pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0
+    trained = pc.sum(pc.list_flatten(table.column("loss_mask"))).as_py() or 0
+    state["completed"][key] = {"file": name, "records": records, "rows": len(table), "tokens": tokens,
+                               "trained_tokens": trained, "dropped": dict(dropped)}
+    state["complete"] = len(state["completed"]) == state["num_shards"]
+    write_text_atomic(out / PROGRESS, json.dumps(state, indent=1))
+
+
+def finish(out: Path, state: dict, max_len: int) -> dict:
+    """Mark the run complete in progress.json and write stats.json; returns the stats."""
+    state["complete"] = True
+    write_text_atomic(out / PROGRESS, json.dumps(state, indent=1))
+    stats = {**summarize(state["completed"]), "shards": state["num_shards"], "max_len": max_len,
+             "regenerate": state["fingerprint"]["regenerate"]}
+    write_text_atomic(out / STATS, json.dumps(stats, indent=1))
+    return stats
 
 
 def run_data_stage(inputs: list[str], tokenizer, out_dir: str | os.PathLike, *, max_len: int = 1024,
@@ -115,26 +142,13 @@ def run_data_stage(inputs: list[str], tokenizer, out_dir: str | os.PathLike, *, 
             records = dataset[lo:hi]  # a dict of columns
             records = [dict(zip(records, values)) for values in zip(*records.values())]
             table, dropped = build_shard(records, lo, tokenizer, max_len, params, generator, batch_size)
-            name = f"part-{key}.parquet"
-            tmp = out / (name + ".tmp")
-            pq.write_table(table, tmp, compression="zstd", compression_level=3)
-            os.replace(tmp, out / name)
-            lengths = table.column("input_ids").combine_chunks().value_lengths().to_pylist() if len(table) else []
-            trained = sum(sum(m) for m in table.column("loss_mask").to_pylist())
-            state["completed"][key] = {"file": name, "records": hi - lo, "rows": len(table), "tokens": sum(lengths),
-                                       "trained_tokens": trained, "dropped": dict(dropped)}
-            state["complete"] = len(state["completed"]) == num_shards
-            write_text_atomic(out / PROGRESS, json.dumps(state, indent=1))
+            commit_shard(out, state, key, table, hi - lo, dropped)
             bar.update(hi - lo)
             stats = summarize(state["completed"])
             bar.set_postfix(rows=stats["rows"], dropped=stats["dropped_total"])
     finally:
         bar.close()
-    state["complete"] = True
-    write_text_atomic(out / PROGRESS, json.dumps(state, indent=1))
-    stats = {**summarize(state["completed"]), "shards": num_shards, "max_len": max_len,
-             "regenerate": fp["regenerate"]}
-    write_text_atomic(out / STATS, json.dumps(stats, indent=1))
+    stats = finish(out, state, max_len)
     if stats["dropped_total"]:
         log.warning("data stage: dropped %d of the candidate rows: %s", stats["dropped_total"],
                     {k: v for k, v in stats["dropped"].items() if v})
