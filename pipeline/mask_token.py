@@ -50,16 +50,14 @@ def first_sample_holding(token_id: int, samples: Iterable, chunk: int = 8192) ->
     """Index of the first sample whose input_ids hold `token_id`, or None. Vectorised: the ids of `chunk` samples
     at a time are joined into one array and compared at once (a loop of one comparison per sample took seconds per
     million samples); the chunk bounds the copy to a few MB whatever the data set's size."""
-    rows = iter(samples)  # a list, or a source that streams its rows (pipeline/data/parquet_source.py)
-    for start in itertools.count(0, chunk):
-        ids = [s.input_ids for s in itertools.islice(rows, chunk)]
-        if not ids:
-            return None
+    rows, start = iter(samples), 0  # a list, or a source that streams its rows (pipeline/data/parquet_source.py)
+    while ids := [s.input_ids for s in itertools.islice(rows, chunk)]:
         hit = np.flatnonzero(np.concatenate(ids) == token_id)
         if len(hit):
             ends = np.cumsum([len(x) for x in ids])
             return start + int(np.searchsorted(ends, hit[0], side="right"))
-    raise AssertionError("unreachable")  # itertools.count never ends; the loop returns
+        start += len(ids)
+    return None
 
 
 def check_mask_token(token_id: int, tokenizer, samples: Sequence) -> None:
