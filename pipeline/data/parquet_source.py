@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.contracts import TokenizedSample
-from pipeline.data.rows import shard_files
+from pipeline.data.rows import check_row_lengths, check_token_columns, shard_files, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,9 @@ BATCH_ROWS = 4096  # rows decoded at a time
 
 
 def flat(ids: pa.ListArray, mask: pa.ListArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(offsets int64 [n+1] from 0, ids [T], mask bool [T]) of a batch's two list columns."""
+    """(offsets int64 [n+1] from 0, ids [T], mask bool [T]) of a batch's two list columns (equal lengths: the
+    reader checked them, `check_row_lengths`)."""
     offsets = ids.offsets.to_numpy().astype(np.int64)
-    if not np.array_equal(offsets, mask.offsets.to_numpy()):
-        raise ValueError("input_ids and loss_mask disagree in length")
     lo, hi = int(offsets[0]), int(offsets[-1])
     return (offsets - lo, ids.values.to_numpy()[lo:hi],
             mask.values.to_numpy(zero_copy_only=False)[lo:hi].astype(bool, copy=False))
@@ -93,11 +92,16 @@ class ParquetSamples:
         """The selected rows in order as flat (offsets, ids int32, mask bool) batches (see `flat`)."""
         left = self.num_samples
         for f in self.files:
-            reader = pq.ParquetFile(f, memory_map=True)
-            for batch in reader.iter_batches(batch_size=BATCH_ROWS, columns=["input_ids", "loss_mask"]):
+            if _scan:  # the same one-line refusals as load_parquet_corpus, before anything is decoded
+                check_token_columns(f)
+            first_row = 0
+            for batch in self._batches(f):
                 if left is not None and left <= 0:
                     return
                 ids, mask = batch.column("input_ids"), batch.column("loss_mask")
+                if _scan:
+                    check_row_lengths(f, first_row, ids.offsets.to_numpy(), mask.offsets.to_numpy())
+                first_row += len(ids)
                 keep = None
                 if self.max_len is not None:
                     keep = pc.less_equal(pc.list_value_length(ids), self.max_len).to_numpy(zero_copy_only=False)
@@ -115,3 +119,11 @@ class ParquetSamples:
                     left -= len(ids)
                 if len(ids):
                     yield flat(ids, mask)
+
+    @staticmethod
+    def _batches(f) -> Iterator[pa.RecordBatch]:
+        try:
+            reader = pq.ParquetFile(f, memory_map=True)
+            yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=["input_ids", "loss_mask"])
+        except (pa.ArrowException, OSError) as e:
+            raise unreadable(f, e) from None

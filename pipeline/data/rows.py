@@ -341,13 +341,13 @@ TOKEN_COLUMNS = {"input_ids": (_list_of(pa.types.is_integer), "a list of integer
                                "a list of booleans")}
 
 
-def read_token_columns(f: Path) -> tuple[pa.Array, pa.Array]:
-    """The input_ids and loss_mask columns of one Parquet file; ValueError (one line naming the file) when it is
-    no Parquet file, lacks a column, or holds the wrong type in it."""
+def check_token_columns(f: Path) -> None:
+    """ValueError (one line naming the file) when `f` is no Parquet file, lacks a column training reads, or holds
+    the wrong type in it. Reads the schema only."""
     try:
         schema = pq.read_schema(f)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"data {f} is not a readable Parquet file ({_first_line(e)})") from None
+        raise unreadable(f, e) from None
     problems = []
     for name, (ok, what) in TOKEN_COLUMNS.items():
         if name not in schema.names:
@@ -358,10 +358,28 @@ def read_token_columns(f: Path) -> tuple[pa.Array, pa.Array]:
         wanted = " and ".join(f"{n} ({w})" for n, (_, w) in TOKEN_COLUMNS.items())
         raise ValueError(f"data {f}: {'; '.join(problems)}; training reads {wanted}, as launch/prepare_data.py "
                          f"writes them (its columns: {schema.names[:12]})")
+
+
+def unreadable(f: Path, e: BaseException) -> ValueError:
+    return ValueError(f"data {f} is not a readable Parquet file ({_first_line(e)})")
+
+
+def check_row_lengths(f: Path, first_row: int, offsets: np.ndarray, mask_offsets: np.ndarray) -> None:
+    """ValueError naming the file and row where input_ids and loss_mask differ in length (offsets of a batch whose
+    first row is `first_row` of the file)."""
+    if not np.array_equal(np.diff(offsets), np.diff(mask_offsets)):
+        row = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
+        raise ValueError(f"data {f} row {first_row + row}: input_ids has {offsets[row + 1] - offsets[row]} tokens "
+                         f"but loss_mask {mask_offsets[row + 1] - mask_offsets[row]}")
+
+
+def read_token_columns(f: Path) -> tuple[pa.Array, pa.Array]:
+    """The input_ids and loss_mask columns of one Parquet file (checked by `check_token_columns`)."""
+    check_token_columns(f)
     try:
         table = pq.read_table(f, columns=list(TOKEN_COLUMNS))
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"data {f} is not a readable Parquet file ({_first_line(e)})") from None
+        raise unreadable(f, e) from None
     return table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
 
 
@@ -382,11 +400,7 @@ def load_parquet_corpus(path: str | os.PathLike, max_len: int | None = None,
         offsets = ids_col.offsets.to_numpy()
         ids_flat = ids_col.values.to_numpy()
         mask_flat = mask_col.values.to_numpy(zero_copy_only=False)
-        mask_offsets = mask_col.offsets.to_numpy()
-        if not np.array_equal(offsets, mask_offsets):
-            row = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
-            raise ValueError(f"data {f} row {row}: input_ids has {offsets[row + 1] - offsets[row]} tokens but "
-                             f"loss_mask {mask_offsets[row + 1] - mask_offsets[row]}")
+        check_row_lengths(f, 0, offsets, mask_col.offsets.to_numpy())
         for a, b in zip(offsets[:-1], offsets[1:]):
             if max_len is not None and b - a > max_len:
                 too_long += 1
