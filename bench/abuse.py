@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +100,7 @@ def error_lines(text: str) -> list[str]:
 def classify(case: Case, o: Outcome, needle: str) -> list[str]:
     why = list(o.why)
     if o.exit is None:
-        return ["timed out", *why]
+        return why or ["timed out"]
     if o.exit != case.want_exit:
         why.insert(0, f"exit {o.exit}")
     if o.tracebacks:
@@ -108,9 +109,11 @@ def classify(case: Case, o: Outcome, needle: str) -> list[str]:
     if case.fallback:
         if errors:
             why.append(f"error line: {errors[-1][:300]}")
-        unusable = [ln for ln in o.output.splitlines() if "is unusable" in ln]
+        # the driver's own lines: rank 0 of the trainers verifies again (by design, docs/fault-tolerance.md) and
+        # repeats the warning under its '(RayTrainWorker pid=…)' prefix; the repeat is counted, not judged
+        unusable = [ln for ln in o.output.splitlines() if "is unusable" in ln and not ln.startswith("(")]
         if len(unusable) != 1 or needle not in unusable[0]:
-            why.append(f"{len(unusable)} 'is unusable' line(s), want one naming {needle}")
+            why.append(f"{len(unusable)} 'is unusable' line(s) from the driver, want one naming {needle}")
     elif case.want_exit != 0:
         if len(errors) != 1:
             why.append(f"{len(errors)} error lines" + (f", last: {errors[-1][:300]}" if errors else ""))
@@ -329,7 +332,8 @@ class RayCases:
     @property
     def head(self) -> LoopbackHead:
         if self._head is None:
-            self._head = LoopbackHead(num_cpus=4)
+            # with its dashboard, as tests/test_faults.py's: Ray Train's placement-group cleaner polls the state API
+            self._head = LoopbackHead(num_cpus=4, dashboard=True)
         return self._head
 
     def stop(self) -> None:
@@ -386,7 +390,8 @@ class RayCases:
         finally:
             first.kill()
         killed_at = logged_steps(run_dir)
-        second = Background(self.head, [*args, "--max-steps", str(killed_at + 2)], d / "second.log")
+        # the old trainers may commit a step or two before the takeover: leave the new run steps to train
+        second = Background(self.head, [*args, "--max-steps", str(killed_at + 5)], d / "second.log")
         why: list[str] = []
 
         def snapshot() -> tuple[str, dict[str, tuple[int, int]]]:
@@ -452,6 +457,8 @@ class RayCases:
             why_not = []
             if list((run_dir / "checkpoints").glob("*.tmp")):
                 why_not.append("a .tmp dir was left")
+            if (run_dir / "checkpoints" / "latest").is_file() and committed_checkpoints(run_dir)[0] != "step_00000004":
+                why_not.append(f"latest is {committed_checkpoints(run_dir)[0]}, not step_00000004")
             return ray_outcome(rc, proc.text(), why=why_not)
         finally:
             _umount(mnt)
@@ -525,7 +532,10 @@ def main() -> int:
             d = work / f"{i:02d}-{re.sub(r'[^a-z0-9]+', '-', case.name.lower()).strip('-')[:40]}"
             d.mkdir()
             t0 = time.time()
-            o = case.run(d)
+            try:
+                o = case.run(d)
+            except Exception as e:  # the bench's own failure: reported as the case's, the matrix goes on
+                o = Outcome(None, traceback.format_exc(), [f"bench error: {type(e).__name__}: {e}"])
             if o.skipped:
                 skipped.append(case.name)
                 print(f"{case.name} | skipped: {o.skipped}", flush=True)
@@ -539,8 +549,11 @@ def main() -> int:
             tracebacks += o.tracebacks
             retried += o.starts > case.max_starts
             orphans += o.orphans
+            note = f" | trainer group started {o.starts}x" if case.ray else ""
+            if case.fallback:
+                note += f" | 'is unusable' lines in all {sum('is unusable' in ln for ln in o.output.splitlines())}"
             print(f"{case.name} | exit {o.exit} (want {case.want_exit}) | clean {'no' if why else 'yes'}"
-                  f"{' | ' + '; '.join(why) if why else ''} | {time.time() - t0:.0f} s", flush=True)
+                  f"{' | ' + '; '.join(why) if why else ''}{note} | {time.time() - t0:.0f} s", flush=True)
     finally:
         rc.stop()
     if skipped:
