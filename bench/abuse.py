@@ -105,13 +105,14 @@ def classify(case: Case, o: Outcome, needle: str) -> list[str]:
         why.insert(0, f"exit {o.exit}")
     if o.tracebacks:
         why.append(f"{o.tracebacks} traceback(s)")
-    errors = error_lines(o.output)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", o.output)  # Ray colours the '(RayTrainWorker pid=…)' prefixes
+    errors = error_lines(text)
     if case.fallback:
         if errors:
             why.append(f"error line: {errors[-1][:300]}")
         # the driver's own lines: rank 0 of the trainers verifies again (by design, docs/fault-tolerance.md) and
         # repeats the warning under its '(RayTrainWorker pid=…)' prefix; the repeat is counted, not judged
-        unusable = [ln for ln in o.output.splitlines() if "is unusable" in ln and not ln.startswith("(")]
+        unusable = [ln for ln in text.splitlines() if "is unusable" in ln and not ln.startswith("(")]
         if len(unusable) != 1 or needle not in unusable[0]:
             why.append(f"{len(unusable)} 'is unusable' line(s) from the driver, want one naming {needle}")
     elif case.want_exit != 0:
@@ -383,15 +384,18 @@ class RayCases:
 
         run_dir = d / "run"
         args = ["--run-dir", str(run_dir), *RAY_ARGS]
-        first = Background(self.head, [*args, "--max-steps", "1000", "checkpoint.every_steps=1"], d / "first.log")
+        # options before the overrides: argparse takes the positional overrides in one run
+        first = Background(self.head, ["--max-steps", "1000", *args, "checkpoint.every_steps=1"], d / "first.log")
         try:
             if not wait_for(lambda: logged_steps(run_dir) >= 3 or first.proc.poll() is not None):
                 return Outcome(None, first.text(), ["the first run never reached step 3"])
+            if first.proc.poll() is not None:
+                return Outcome(None, first.text(), [f"the first run ended ({first.proc.returncode}) before step 3"])
         finally:
             first.kill()
         killed_at = logged_steps(run_dir)
         # the old trainers may commit a step or two before the takeover: leave the new run steps to train
-        second = Background(self.head, [*args, "--max-steps", str(killed_at + 5)], d / "second.log")
+        second = Background(self.head, ["--max-steps", str(killed_at + 5), *args], d / "second.log")
         why: list[str] = []
 
         def snapshot() -> tuple[str, dict[str, tuple[int, int]]]:
@@ -512,6 +516,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=["config", "data", "rundir"], help="one family of cases")
     p.add_argument("--quick", action="store_true", help="leave out the Ray-launching cases")
+    p.add_argument("--case", help="only the cases whose name contains this")
     p.add_argument("--work-dir", default="runs/bench-abuse", help="each case's files go here (replaced)")
     a = p.parse_args()
 
@@ -523,7 +528,7 @@ def main() -> int:
     work.mkdir(parents=True)
     rc = RayCases()
     cases = CONFIG + DATA + RUNDIR_QUICK + ([] if a.quick else ray_cases(rc))
-    cases = [c for c in cases if a.only in (None, c.family)]
+    cases = [c for c in cases if a.only in (None, c.family) and (a.case or "") in c.name]
 
     n = clean = exit2 = tracebacks = retried = orphans = 0
     skipped = []
