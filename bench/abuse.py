@@ -2,9 +2,9 @@
 launch script (launch/train_v4_draft.py, tiny random MoE target), each with the exit status it must give and the key
 or file its one line must name.
 
-    PYTHONPATH=. python bench/abuse.py --quick       # the cases that end before Ray starts: about 3 minutes
+    PYTHONPATH=. python bench/abuse.py --quick       # the 23 cases that end before Ray starts: 4-8 minutes
     PYTHONPATH=. python bench/abuse.py               # + the Ray cases on a loopback head: about 15 minutes on 2 cores
-    PYTHONPATH=. python bench/abuse.py --only data   # one family: config, data or rundir
+    PYTHONPATH=. python bench/abuse.py --only data   # one family: config, data or rundir (--case NAME: one case)
 
 One line per case (`name | exit E (want W) | clean yes/no | why`), then, last:
 abuse cases=N clean=C exit2=E tracebacks=T retried=R orphan_commits=O
