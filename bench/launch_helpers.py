@@ -146,6 +146,14 @@ def logged_steps(run_dir: Path) -> int:
     return step
 
 
+def committed_checkpoints(run_dir: Path) -> tuple[str, list[str]]:
+    """The checkpoints dir's committed state: `latest` and the step dirs (a fenced save may leave a .tmp). Shared by
+    tests/test_faults.py's killed-driver test and bench/abuse.py, which judge orphan commits by it."""
+    root = Path(run_dir) / "checkpoints"
+    return ((root / "latest").read_text().strip(),
+            sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and not p.name.endswith(".tmp")))
+
+
 class FaultSchedule:
     """Runs the launch script in the background and injects faults when metrics.jsonl reaches given steps:
     ("kill", class_name) SIGKILLs one live actor of that class (a crash; if none is alive, because Ray is still

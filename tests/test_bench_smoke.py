@@ -1,12 +1,12 @@
 """Every benchmark in bench/ still runs: each script with its smallest arguments, as a subprocess, as a user runs it,
 and its figure line (the last line it prints) has the shape that bench promises. The numbers themselves are not
 checked (a smoke run is too small to mean anything), except where the shape is a correctness claim: the fault bench
-must report no duplicate and no lost sample.
+must report no duplicate and no lost sample, the abuse bench's --quick cases must all be clean.
 
 Every run takes from half a minute (packing, loss memory) to several minutes (faults, drafters) on 2 cores, so
 they are all `slow`; the default suite only checks that no bench script lacks a case here.
 
-Run: python -m pytest tests/test_bench_smoke.py -q -m slow     (about 25 minutes on 2 cores)
+Run: python -m pytest tests/test_bench_smoke.py -q -m slow     (about 30 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "heldout_acceptance": (["a={tmp}/a", "b={tmp}/b", "--target", "tiny-qwen3-moe", "--prompts", "1", "--max-new", "4",
                             "--anchors", "4", "--cache", "{tmp}/replies.pt"],
                            rf"a - b: expected tau [-+]{NUM} \+- {NUM} \(standard error over \d+ sequences\)", 600),
+    # every --quick case ends before Ray starts with exit 2 and one line: all of them must be clean
+    "abuse": (["--quick", "--work-dir", "{tmp}/work"],
+              r"abuse cases=(\d+) clean=\1 exit2=\1 tracebacks=0 retried=0 orphan_commits=0", 900),
     "faults": (["--quick", "--out", "{tmp}/faults"],
                rf"faults samples_trained=\d+ duplicates=0 lost=0 max_loss_diff={SCI} slowdown={NUM}", 1200),
     "scheduling": (["--quick", "--work-dir", "{tmp}/work"],

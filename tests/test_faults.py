@@ -24,7 +24,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import LAUNCH, REPO, TINY_MOE, FaultSchedule, LoopbackHead, logged_steps, quiet_env, run_launch
+from launch_helpers import (
+    LAUNCH,
+    REPO,
+    TINY_MOE,
+    FaultSchedule,
+    LoopbackHead,
+    committed_checkpoints,
+    logged_steps,
+    quiet_env,
+    run_launch,
+)
 from safetensors import safe_open
 
 from pipeline.metrics import read_jsonl_metrics
@@ -159,13 +169,6 @@ def _wait_for(what: str, cond, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-def _committed(run_dir: Path) -> tuple[str, list[str]]:
-    """The checkpoints dir's committed state: `latest` and the step dirs (a fenced save may leave a .tmp)."""
-    root = run_dir / "checkpoints"
-    return ((root / "latest").read_text().strip(),
-            sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and not p.name.endswith(".tmp")))
-
-
 @pytest.mark.slow
 def test_a_second_driver_on_a_running_run_dir_exits_2_and_changes_nothing(head, tmp_path):
     run_dir = tmp_path / "owned"
@@ -213,9 +216,9 @@ def test_the_trainers_of_a_killed_driver_cannot_commit_into_the_next_driver_s_ru
     try:
         _wait_for("the takeover", lambda: (read_lease(run_dir / LEASE_FILE).generation == 2
                                            or second.poll() is not None), timeout=120)
-        at_takeover = _committed(run_dir)
+        at_takeover = committed_checkpoints(run_dir)
         _wait_for("the new driver's trainers", lambda: "resumed from" in log.read_text() or second.poll() is not None)
-        assert _committed(run_dir) == at_takeover  # the old trainers committed nothing after the takeover
+        assert committed_checkpoints(run_dir) == at_takeover  # the old trainers committed nothing after the takeover
         text = log.read_text()
         assert f"took over run dir {run_dir} from pid {first.pid} on host " in text and \
             f"(its lease was pid {first.pid} is gone); lease generation 2" in text, text[-4000:]
@@ -258,7 +261,7 @@ def test_a_disk_that_fills_up_during_a_save_is_one_line_not_retried(head, tmp_pa
                             r"step_00000008.tmp; free space, then re-run the same command to resume from step_00000004",
                             line), out[-4000:]
         assert out.count("Started training worker group") == 2, out[-4000:]  # the first, and one that returned at once
-        assert _committed(run_dir) == ("step_00000004", ["step_00000004"])
+        assert committed_checkpoints(run_dir) == ("step_00000004", ["step_00000004"])
         assert not list((run_dir / "checkpoints").glob("*.tmp"))
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
