@@ -64,7 +64,8 @@ def make_generator(args: argparse.Namespace, target: Path):
     from workers.driver import worker_runtime_env
     from workers.target.worker import start_target_actor
 
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=worker_runtime_env(),
+    address = os.environ.get("RAY_ADDRESS", "")
+    ray.init(address=address or "local", runtime_env=worker_runtime_env(address),
              **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
     gpus = args.gpus_per_worker if args.gpus_per_worker >= 0 else (1 if ray.cluster_resources().get("GPU") else 0)
     actors = [start_target_actor(target, [-1], num_gpus=gpus, compute_dtype=dtype)

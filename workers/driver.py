@@ -47,12 +47,17 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
                              f"x target.{per}={getattr(t, per):g}) but the largest node has {biggest:g}")
 
 
-def worker_runtime_env() -> dict | None:
+def worker_runtime_env(address: str = "") -> dict | None:
     """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
-    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared)."""
+    ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared).
+    A GCS `address` (host:port) is passed on as RAY_ADDRESS: Ray Train's own helper actors look the cluster up
+    without one, and fail with a traceback ('Found multiple active Ray instances') on a node that runs two."""
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         return None
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    if address and "://" not in address and address not in ("auto", "local"):
+        env["RAY_ADDRESS"] = address
+    return {"env_vars": env}
 
 
 def connect_ray(cfg) -> None:
@@ -61,10 +66,10 @@ def connect_ray(cfg) -> None:
     from workers.loopback import local_ray_on_loopback
 
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = worker_runtime_env()
     if address:
-        ray.init(address=address, runtime_env=runtime_env)
+        ray.init(address=address, runtime_env=worker_runtime_env(address))
         return
+    runtime_env = worker_runtime_env()
     t, c = cfg.target, cfg.cluster
     needed = t.num_workers * t.tp_size * t.cpus_per_worker + c.num_trainers * c.cpus_per_trainer
     num_cpus = cfg.cluster.local_num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))

@@ -94,7 +94,16 @@ def _mib(n: int) -> str:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+    """Bytes in the files under `path`; files that vanish while it counts (another rank removing the same partial
+    dir after the same full disk) count as 0."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _step_dir_name(step: int) -> str:

@@ -100,18 +100,46 @@ FATAL_ERRORS = (FloatingPointError, ValueError, TimeoutError, CheckpointError, L
 
 def train_loop(loop_config: dict[str, Any]) -> None:
     """Ray Train entry point: one call per trainer rank. Ray Train retries any failure of the group; a failure in
-    FATAL_ERRORS is recorded in RunControl first, so the retried group returns at once and the driver reports it."""
+    FATAL_ERRORS is not a failure to it: the rank records it in RunControl, leaves the process group (so a peer
+    blocked in a collective fails at once instead of at the group's timeout) and returns; a peer whose step broke
+    on that finds the record and returns too. The group ends without a retry or a worker traceback, and the driver
+    reports the one line (workers/driver.py). Any other failure is raised for Ray Train to retry; a retried group
+    that finds a fatal error recorded returns at once."""
     control = loop_config["control"]
     if ray.get(control.fatal_error.remote()) is not None:
         return
     try:
         _train(loop_config)
     except FATAL_ERRORS as e:
+        if not _recorded(control, f"{type(e).__name__}: {e}"):
+            raise  # RunControl died with the driver: nobody is left to report it
+        _leave_process_group()
+    except Exception:
         try:
-            ray.get(control.record_fatal.remote(f"{type(e).__name__}: {e}"))
+            peer_fatal = ray.get(control.fatal_error.remote())
         except ray.exceptions.RayActorError:
-            pass  # RunControl died with the driver: nobody is left to retry the group
-        raise
+            peer_fatal = None
+        if peer_fatal is None:
+            raise
+        _leave_process_group()  # a consequence of a peer's fatal error (the peer left the collective): not retried
+
+
+def _recorded(control: Any, message: str) -> bool:
+    try:
+        ray.get(control.record_fatal.remote(message))
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already broken by the peer that left first: nothing left to close
+            pass
 
 
 def _train(loop_config: dict[str, Any]) -> None:
