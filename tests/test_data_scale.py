@@ -19,8 +19,8 @@ from data_scale import build_data_stage
 from pipeline import order
 from pipeline.contracts import TokenizedSample
 from pipeline.data import parquet_source
-from pipeline.data.parquet_source import ParquetSamples, trainable_rows
-from pipeline.data.rows import load_parquet_corpus
+from pipeline.data.parquet_source import ParquetSamples, load_parquet_corpus, trainable_rows
+from pipeline.data.rows import shard_files
 from pipeline.mask_token import check_mask_token
 from pipeline.sample_store import SampleStore, samples_digest, write_samples
 from workers.inputs import write_run_samples
@@ -30,6 +30,18 @@ from workers.inputs import write_run_samples
 def stage(tmp_path_factory):
     out = tmp_path_factory.mktemp("stage") / "data"
     build_data_stage(out, 300, shard_rows=128, seed=3)  # 3 shards, lengths 16..8192
+    return out
+
+
+def _reference_rows(path, max_len, num_samples) -> list[TokenizedSample]:
+    """The selection rule written the plain way (whole files, one row at a time): rows longer than max_len dropped,
+    the first num_samples of the rest kept, in row order, sample_id = position."""
+    out = []
+    for f in shard_files(path):
+        table = pq.read_table(f, columns=["input_ids", "loss_mask"])
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+            if (max_len is None or len(ids) <= max_len) and (num_samples is None or len(out) < num_samples):
+                out.append(TokenizedSample(len(out), np.array(ids, dtype=np.int64), np.array(mask, dtype=bool)))
     return out
 
 
@@ -45,16 +57,18 @@ def _reference_digest(samples) -> str:
 
 
 @pytest.mark.parametrize("max_len,num_samples", [(None, None), (600, None), (600, 150), (8192, 7), (300, 1)])
-def test_streamed_source_selects_the_in_memory_loaders_rows(stage, monkeypatch, caplog, max_len, num_samples):
+def test_streamed_source_selects_the_reference_rows(stage, monkeypatch, caplog, max_len, num_samples):
     monkeypatch.setattr(parquet_source, "BATCH_ROWS", 50)  # several batches per shard, the cap inside one
+    want = _reference_rows(stage, max_len, num_samples)
     with caplog.at_level(logging.WARNING):
-        want = load_parquet_corpus(stage, max_len=max_len, num_samples=num_samples)
         got = ParquetSamples(stage, max_len=max_len, num_samples=num_samples)
+        listed = load_parquet_corpus(stage, max_len=max_len, num_samples=num_samples)
     dropped = [r.message for r in caplog.records if "longer than" in r.message]
-    assert len(got) == len(want) and len(set(dropped)) <= 1 and len(dropped) in (0, 2)  # the same drop count logged
-    for a, b in zip(got, want, strict=True):
-        assert a.sample_id == b.sample_id
-        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+    assert len(got) == len(listed) == len(want) and len(set(dropped)) <= 1 and len(dropped) in (0, 2)
+    for a, b, c in zip(got, listed, want, strict=True):
+        assert a.sample_id == b.sample_id == c.sample_id
+        assert np.array_equal(a.input_ids, c.input_ids) and np.array_equal(a.loss_mask, c.loss_mask)
+        assert np.array_equal(b.input_ids, c.input_ids) and np.array_equal(b.loss_mask, c.loss_mask)
     assert got.trainable == sum(1 for s in want if len(s.input_ids) >= 2 and s.loss_mask[1:].any())
     used = np.unique(np.concatenate([s.input_ids for s in want]))
     assert all(got.holds_token(int(t)) for t in used[:50])
@@ -82,7 +96,7 @@ def test_trainable_rows_is_the_per_sample_rule():
 
 
 def test_run_samples_file_and_digest_are_the_same_from_a_list_or_a_stream(stage, tmp_path):
-    listed = load_parquet_corpus(stage, max_len=1000)
+    listed = _reference_rows(stage, 1000, None)
     path_a, digest_a = write_run_samples(listed, tmp_path / "a")
     path_b, digest_b = write_run_samples(ParquetSamples(stage, max_len=1000), tmp_path / "b")
     assert digest_a == digest_b == samples_digest(listed) == _reference_digest(listed)

@@ -19,9 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.chat import render_prompt
+from pipeline.data.parquet_source import load_parquet_corpus
 from pipeline.data.prepare import run_data_stage
 from pipeline.data.regenerate import Generation, GenParams
-from pipeline.data.rows import build_shard, load_parquet_corpus, normalize_record
+from pipeline.data.rows import build_shard, normalize_record
 from workers.target import model as tm
 from workers.target.generation import LocalGenerator, generate_batch
 

@@ -37,8 +37,7 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None, in_memory: b
     """The run's samples: a list of TokenizedSample, or with `in_memory=False` and a data-stage Parquet source, a
     ParquetSamples that the driver streams into the run's samples file without holding the data set."""
     from pipeline.data.corpus import default_corpus, load_jsonl_corpus
-    from pipeline.data.parquet_source import ParquetSamples
-    from pipeline.data.rows import load_parquet_corpus
+    from pipeline.data.parquet_source import ParquetSamples, load_parquet_corpus
     from workers.target.model import load_tokenizer
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_path)

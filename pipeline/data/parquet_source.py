@@ -1,10 +1,11 @@
 """A data-stage Parquet source (launch/prepare_data.py's directory, or one .parquet file) for the driver, read one
 record batch at a time: the driver never holds the data set, only one batch of rows and a few numbers.
 
-`ParquetSamples` selects exactly the rows `load_parquet_corpus` returns (pipeline/data/rows.py: rows longer than
-max_len dropped, the first num_samples of the rest kept, in row order, sample_id = position) and scans them once
-when built: how many there are, how many have a trainable block, which token ids occur (for the mask-token
-check). `chunks()` reads them again, in the same order, for the run's samples file (pipeline/sample_store.py).
+`ParquetSamples` selects the training rows (rows longer than max_len dropped, never truncated, and counted in the
+log; the first num_samples of the rest kept, in row order, sample_id = position) and scans them once when built:
+how many there are, how many have a trainable block, which token ids occur (for the mask-token check). `chunks()`
+reads them again, in the same order, for the run's samples file (pipeline/sample_store.py); `load_parquet_corpus`
+is the same selection as a list, for callers that hold the data set.
 Everything per row is numpy over the batch's flat arrays; nothing loops over rows in Python.
 """
 
@@ -85,14 +86,14 @@ class ParquetSamples:
         position = 0
         for offsets, ids, mask in self.chunks():
             for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-                yield TokenizedSample(position, ids[a:b].astype(np.int64), mask[a:b].copy())
+                yield TokenizedSample(position, ids[a:b].copy(), mask[a:b].copy())
                 position += 1
 
     def chunks(self, _scan: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The selected rows in order as flat (offsets, ids int32, mask bool) batches (see `flat`)."""
         left = self.num_samples
         for f in self.files:
-            if _scan:  # the same one-line refusals as load_parquet_corpus, before anything is decoded
+            if _scan:  # one-line refusals naming the file, before anything is decoded
                 check_token_columns(f)
             first_row = 0
             for batch in self._batches(f):
@@ -127,3 +128,10 @@ class ParquetSamples:
             yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=["input_ids", "loss_mask"])
         except (pa.ArrowException, OSError) as e:
             raise unreadable(f, e) from None
+
+
+def load_parquet_corpus(path: str | os.PathLike, max_len: int | None = None,
+                        num_samples: int | None = None) -> list[TokenizedSample]:
+    """ParquetSamples' rows as a list of TokenizedSample (ids as stored: int32): a file that is not the data stage's
+    layout is a ValueError naming it, a row whose mask and ids differ in length one naming the row."""
+    return list(ParquetSamples(path, max_len=max_len, num_samples=num_samples))

@@ -46,7 +46,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.contracts import TokenizedSample
 from pipeline.data.chat import BUDGET_SAFETY, max_token_chars, render_chat, render_prompt, render_text
 from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
@@ -371,50 +370,6 @@ def check_row_lengths(f: Path, first_row: int, offsets: np.ndarray, mask_offsets
         row = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
         raise ValueError(f"data {f} row {first_row + row}: input_ids has {offsets[row + 1] - offsets[row]} tokens "
                          f"but loss_mask {mask_offsets[row + 1] - mask_offsets[row]}")
-
-
-def read_token_columns(f: Path) -> tuple[pa.Array, pa.Array]:
-    """The input_ids and loss_mask columns of one Parquet file (checked by `check_token_columns`)."""
-    check_token_columns(f)
-    try:
-        table = pq.read_table(f, columns=list(TOKEN_COLUMNS))
-    except (pa.ArrowException, OSError) as e:
-        raise unreadable(f, e) from None
-    return table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
-
-
-def load_parquet_corpus(path: str | os.PathLike, max_len: int | None = None,
-                        num_samples: int | None = None) -> list[TokenizedSample]:
-    """Training samples from a data-stage directory or .parquet file, in row order; sample_id = position.
-
-    Rows longer than `max_len` are dropped (counted in the log), never truncated. A file that is not the data
-    stage's layout is a ValueError naming it (`read_token_columns`), a row whose mask and ids differ in length
-    one naming the row.
-    """
-    samples: list[TokenizedSample] = []
-    too_long = 0
-    for f in shard_files(path):
-        ids_col, mask_col = read_token_columns(f)
-        if len(ids_col) == 0:
-            continue
-        offsets = ids_col.offsets.to_numpy()
-        ids_flat = ids_col.values.to_numpy()
-        mask_flat = mask_col.values.to_numpy(zero_copy_only=False)
-        check_row_lengths(f, 0, offsets, mask_col.offsets.to_numpy())
-        for a, b in zip(offsets[:-1], offsets[1:]):
-            if max_len is not None and b - a > max_len:
-                too_long += 1
-                continue
-            samples.append(TokenizedSample(len(samples), ids_flat[a:b].copy(), mask_flat[a:b].astype(bool)))
-            if num_samples is not None and len(samples) >= num_samples:
-                break
-        if num_samples is not None and len(samples) >= num_samples:
-            break
-    if too_long:
-        log.warning("data %s: dropped %d rows longer than %d tokens", path, too_long, max_len)
-    if not samples:
-        raise ValueError(f"data {path} has no samples" + (f" of at most {max_len} tokens" if too_long else ""))
-    return samples
 
 
 def file_digest(path: str | os.PathLike) -> str:
