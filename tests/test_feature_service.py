@@ -2,8 +2,8 @@
 samples file, bounded prefetch (backpressure), a re-requested batch produced again, a killed target worker
 restarted with its in-flight batch re-run, replay mode.
 
-Run: python -m pytest tests/test_feature_service.py -q     (-m slow adds the killed worker; the default suite's
-     fault run kills a target worker end to end)
+Run: python -m pytest tests/test_feature_service.py -q     (-m slow adds the killed worker, whose end-to-end form
+     is the default suite's fault run, and replay mode)
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def test_killed_target_worker_restarts_and_its_batch_is_rerun(local_ray, tmp_pat
         ray.kill(svc)
 
 
+@pytest.mark.slow  # a second service and target worker (~12 s on 2 cores) for a benchmark-only mode
 def test_replay_serves_a_fixed_set(local_ray, tmp_path):
     svc = _service(_samples(20), tmp_path, max_in_flight=2, replay=2)
     try:

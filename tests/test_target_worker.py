@@ -1,6 +1,6 @@
 """Target worker: micro-batching, padding-free dense features, wire dtype, and one real local Ray actor.
 
-Run: python -m pytest tests/test_target_worker.py -q
+Run: python -m pytest tests/test_target_worker.py -q     (-m slow adds the real Ray actor against the plain worker)
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def test_wire_dtype_bf16_and_info(tiny_dirs, tokenizer):
         TargetWorker(tiny_dirs["qwen3_moe"], LAYERS, wire_dtype="float13")
 
 
+@pytest.mark.slow  # ~15 s with its Ray cluster; the sharded group test and the fault run use the actor by default
 def test_ray_actor_matches_plain_worker(local_ray, tiny_dirs, tokenizer):
     samples = _samples(tokenizer, [12, 25, 8])
     actor = start_target_actor(str(tiny_dirs["tied"]), LAYERS, num_cpus=1, max_tokens_per_forward=64)
