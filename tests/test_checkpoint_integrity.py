@@ -433,3 +433,26 @@ def test_storage_and_lease_errors_are_reported_once_not_retried():
     from workers.trainer.ray_trainer import FATAL_ERRORS
 
     assert issubclass(StorageError, FATAL_ERRORS) and issubclass(LeaseLost, FATAL_ERRORS)
+
+
+def test_a_write_outside_a_save_that_hits_a_full_disk_is_a_storage_error(tmp_path, log):
+    """The metrics file or TensorBoard on a full disk: fatal like a save's (workers/trainer/ray_trainer.train_loop
+    records it instead of letting Ray Train retry), judged by the errno alone: without one it is not a StorageError,
+    whatever the free space."""
+    from workers.trainer.checkpoint import StorageError
+
+    ckpts = CheckpointManager(tmp_path, log=log)
+    try:
+        open(tmp_path / "metrics.jsonl", "a").write(1)  # noqa: SIM115 - a write error with no errno
+    except TypeError as e:
+        assert ckpts.write_failure(e) is None
+    cause = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        raise RuntimeError("flush failed") from cause
+    except RuntimeError as e:
+        failure = ckpts.write_failure(e)
+    assert isinstance(failure, StorageError)
+    assert str(failure).startswith(f"cannot write under {tmp_path}: the disk is full (ENOSPC): flush failed; "
+                                   "free space, then re-run the same command")
+    assert ckpts.write_failure(OSError(errno.EROFS, "Read-only file system")) is not None
+    assert ckpts.write_failure(RuntimeError("unexpected pos 128 vs 0")) is None

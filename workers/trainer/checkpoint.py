@@ -69,10 +69,11 @@ _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os error (\d+)")  # Python's OSErr
 FULL_BELOW = 1 << 20  # free bytes under which a write error without an errno (torch.save's zip writer) is ENOSPC
 
 
-def storage_errno(e: BaseException, root: Path) -> int | None:
+def storage_errno(e: BaseException, root: Path | None) -> int | None:
     """The errno of STORAGE_ERRNOS behind a failed save, or None if it is some other failure. torch.save reports
     a full disk as a RuntimeError without an errno ('unexpected pos ...'), safetensors as text ('os error 28'):
-    the cause chain is searched, and an error with no errno on a disk with less than 1 MiB free counts as full."""
+    the cause chain is searched, and an error with no errno on a disk (`root`'s) with less than 1 MiB free counts
+    as full; with root None only an errno counts."""
     seen: set[int] = set()
     x: BaseException | None = e
     while x is not None and id(x) not in seen:
@@ -83,6 +84,8 @@ def storage_errno(e: BaseException, root: Path) -> int | None:
         if code in STORAGE_ERRNOS:
             return code
         x = x.__cause__ or x.__context__
+    if root is None:
+        return None
     try:
         return errno.ENOSPC if shutil.disk_usage(root).free < FULL_BELOW else None
     except OSError:
@@ -254,6 +257,18 @@ class CheckpointManager:
             written = _dir_bytes(tmp)
             shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint must not keep the disk full
             raise StorageError(self._storage_message(code, step, written)) from e
+
+    def write_failure(self, e: BaseException) -> StorageError | None:
+        """A failed write outside a save (the metrics file, TensorBoard) that a restart would repeat (a full disk,
+        a quota, a read-only file system, a permission error: by its errno) as StorageError; None otherwise."""
+        code = storage_errno(e, None)
+        if code is None:
+            return None
+        what, todo = STORAGE_ERRNOS[code]
+        last = (self.root / LATEST).read_text().strip() if (self.root / LATEST).is_file() else None
+        then = f"re-run the same command to resume from {last}" if last else "re-run the same command"
+        return StorageError(f"cannot write under {self.root.parent}: {what} ({errno.errorcode[code]}): {e}; "
+                            f"{todo}, then {then}")
 
     def _storage_message(self, code: int, step: int, written: int) -> str:
         what, todo = STORAGE_ERRNOS[code]

@@ -110,11 +110,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         return
     try:
         _train(loop_config)
-    except FATAL_ERRORS as e:
-        if not _recorded(control, f"{type(e).__name__}: {e}"):
-            raise  # RunControl died with the driver: nobody is left to report it
-        _leave_process_group()
-    except Exception:
+    except Exception as e:
+        # a write outside a save (metrics, TensorBoard) that hit a full disk, a quota, a read-only file system or a
+        # permission error is fatal too, as a save's is (workers/trainer/checkpoint.StorageError)
+        fatal = e if isinstance(e, FATAL_ERRORS) else CheckpointManager(
+            loop_config["config"]["checkpoint"]["run_dir"]).write_failure(e)
+        if fatal is not None:
+            if not _recorded(control, f"{type(fatal).__name__}: {fatal}"):
+                raise  # RunControl died with the driver: nobody is left to report it
+            _leave_process_group()
+            return
         try:
             peer_fatal = ray.get(control.fatal_error.remote())
         except ray.exceptions.RayActorError:
