@@ -35,7 +35,7 @@ def cli(args: list[str]) -> tuple[int, str]:
     return res.returncode, res.stdout
 
 
-def test_cli_writes_report_and_resumes(tmp_path):
+def test_cli_writes_report_plot_and_recorded_rounds(tmp_path):
     export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
             "--max-new-tokens", "6", "--temperatures", "0.0", "--out", str(tmp_path / "eval")]
@@ -47,10 +47,18 @@ def test_cli_writes_report_and_resumes(tmp_path):
     assert report and (tmp_path / "eval" / "mine-T0.0.json").is_file()
     streams = load_rounds(tmp_path / "eval" / "mine-T0.0.rounds.parquet")  # recorded rounds, one stream per prompt
     assert set(streams) == {"humaneval", "gsm8k", "mtbench"} and all(len(s) == 1 for s in streams.values())
+
+
+@pytest.mark.slow  # two more CLI runs (about 15 s on 2 cores)
+def test_cli_reuses_a_cached_result_and_refuses_an_unknown_dataset(tmp_path):
+    export_untrained_draft(tmp_path / "export")
+    args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
+            "--max-new-tokens", "6", "--temperatures", "0.0", "--datasets", "gsm8k", "--out", str(tmp_path / "eval")]
+    assert cli(args)[0] == 0
     cached = (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns
     assert cli(args)[0] == 0  # a second run reuses the cached result
     assert (tmp_path / "eval" / "mine-T0.0.json").stat().st_mtime_ns == cached
-    assert cli([*args[:-2], "--datasets", "nope", "--out", str(tmp_path / "e2")])[0] == 2
+    assert cli([*args[:-4], "--datasets", "nope", "--out", str(tmp_path / "e2")])[0] == 2
 
 
 @pytest.mark.slow  # a second CLI run (about 45 s on 2 cores); the first one above stays in the default suite

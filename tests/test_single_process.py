@@ -6,7 +6,8 @@ same trainer, in this process.
 Step-for-step equality of its engine with DeepSpeed's is tests/test_trainer_step.py; of its loss curve with the
 Ray trainers', tests/test_pipeline_e2e.py.
 
-Run: python -m pytest tests/test_single_process.py -q     (about 60 s on 2 cores; -m slow adds the killed run, 30 s)
+Run: python -m pytest tests/test_single_process.py -q     (about 25 s on 2 cores; -m slow adds the end-to-end run
+     and the killed run, about a minute)
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ def _losses(run_dir) -> dict[int, float]:
     return {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
 
 
+def test_the_single_process_path_imports_without_ray_or_deepspeed():
+    """What the launch script's --single-process path imports, in a process where `import ray` and `import deepspeed`
+    raise ImportError (the end-to-end run below, under -m slow, trains and exports there)."""
+    code = ("import sys; sys.modules['ray'] = None; sys.modules['deepspeed'] = None\n"
+            "import workers.trainer.single_process, workers.inputs, workers.driver, workers.lease, workers.preemption\n"
+            "import workers.trainer.checkpoint, pipeline.config, pipeline.export, pipeline.metrics\n"
+            "from draft_model.registry import build_draft")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=quiet_env(),
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.slow  # ~30 s: a second end-to-end launch besides the default suite's Ray run (tests/test_faults.py)
 def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     run_dir = tmp_path / "run"
     res = _run(["--run-dir", str(run_dir), *TINY_MOE, "train.max_steps=20", "train.lr=3e-3",
