@@ -36,8 +36,10 @@ SQRT_SOFTPLUS = 4  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS (src/llama-hpar
 # (src/models/deepseek4.cpp:1330, mimo2.cpp:238, nemotron-h.cpp:238); LLaMA/Qwen3 expose layer inputs only
 # (src/models/llama.cpp:127), and asking for n_layer aborts (src/llama-graph.cpp:1413)
 FINAL_STATE_ARCHS = ("deepseek4", "mimo2", "nemotron_h", "nemotron_h_moe")
-# tensors written in F32 whatever the dtype: norms, biases, sinks and the hyper-connection parameters
-_ALWAYS_F32 = ("norm", "bias", "sinks", "hc_", "output_hc_")
+# tensors written in F32 whatever the dtype: norms, biases, sinks, the hyper-connection parameters, and the grouped
+# output LoRA, whose F16 product with the permuted attention output has no CPU kernel in b11434 (the draft aborts
+# with GGML_ASSERT(*cur_backend_id != -1), ggml/src/ggml-backend.cpp:1434)
+_ALWAYS_F32 = ("norm", "bias", "sinks", "hc_", "attn_output_a")
 
 
 @dataclass(frozen=True)
