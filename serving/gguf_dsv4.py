@@ -104,7 +104,8 @@ class TargetFacts:
 def dsv4_shapes(cfg: DSV4DraftConfig, vocab_size: int, markov_rank: int | None = None,
                 confidence: bool = True) -> dict[str, tuple[tuple[int, ...], bool]]:
     """{GGUF tensor name: (array shape, required)} that llama.cpp's DSV4 loader creates
-    (src/models/dflash.cpp:113-219); a GGUF with any other tensor is refused ("wrong number of tensors")."""
+    (src/models/dflash.cpp:113-219); a GGUF with any other tensor is refused ("wrong number of tensors",
+    src/llama-model-loader.cpp:1398)."""
     D, H, E, Q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     G, O, X, I, S, C = cfg.o_groups, cfg.o_lora_rank, cfg.num_experts, cfg.moe_intermediate_size, \
         cfg.num_shared_experts, cfg.hc_mult

@@ -5,8 +5,8 @@ draft of SmolLM2-135M.
 Required by llama.cpp (paths in its source tree):
 - keys, generic: `{arch}.context_length`, `.embedding_length`, `.block_count` (src/llama-model.cpp:1323-1329),
   `.expert_count`, `.expert_used_count` (:1333-1335), `.attention.head_count`, `.attention.head_count_kv` (:1398,
-  :1406), `.attention.key_length`/`.value_length` (:1442-1446; equal, src/models/deepseek4.cpp:899),
-  `.rope.dimension_count` (:1450), `.rope.freq_base` (:1416); `.attention.layer_norm_rms_epsilon`,
+  :1406), `.attention.key_length`/`.value_length` (:1442-1445; equal, src/models/deepseek4.cpp:899),
+  `.rope.dimension_count` (:1450), `.rope.freq_base` (:1417); `.attention.layer_norm_rms_epsilon`,
   `.target_layers` (src/models/dflash.cpp:23, :37-39);
 - keys, DSV4 path (dflash.cpp:53-81): `.hyper_connection.count` > 0 selects it; `.attention.q_lora_rank`,
   `.attention.sliding_window`, `.expert_feed_forward_length`, `.expert_shared_count`, `.expert_weights_scale`,
