@@ -5,12 +5,12 @@ llama.cpp's converter reaches that path only from a DeepseekV4ForCausalLM checkp
 module writes the same file directly with the `gguf` package, every tensor F32 (or F16 for matrices).
 
 Input: the draft's tensors under llama.cpp's own GGUF names (`blk.<stage>.attn_q_a.weight`, ...; `dsv4_shapes`
-lists every name with its shape), so the file is a copy of them; DeepSeek's `mtp.<stage>.*` names map onto these
-one to one (conversion/deepseek.py:813-876, 929-1010; docs/serving.md, "DeepSeek-V4 drafter GGUF"). Shapes are in
-array order: llama.cpp's `ne` reversed, which is PyTorch's `nn.Linear.weight` shape ([out, in]). Plus the
-hyper-parameters (`DSV4DraftConfig`) and the target's facts (`TargetFacts`, read from the target's GGUF: hidden
-size, layer count, architecture and the tokenizer, which the draft must carry for llama.cpp's vocabulary check,
-common/speculative.cpp:106-150).
+lists every name with its shape), so the file is a copy of them; `from_deepseek_names` renames DeepSeek's
+`mtp.<stage>.*` checkpoint tensors onto these (conversion/deepseek.py:813-876, 929-1010; docs/serving.md,
+"DeepSeek-V4 drafter GGUF"). Shapes are in array order: llama.cpp's `ne` reversed, which is PyTorch's
+`nn.Linear.weight` shape ([out, in]). Plus the hyper-parameters (`DSV4DraftConfig`) and the target's facts
+(`TargetFacts`, read from the target's GGUF: hidden size, layer count, architecture and the tokenizer, which the
+draft must carry for llama.cpp's vocabulary check, common/speculative.cpp:106-150).
 
 The GGUF is selected as the DSV4 graph by `dflash.hyper_connection.count > 0` (src/models/dflash.cpp:53-54,
 1041-1043) and as `draft-dspark` by the presence of `markov_w1.weight` (common/speculative.cpp:2378-2381). Every
@@ -23,6 +23,7 @@ T number of target layers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,63 @@ def _array(name: str, x: Any) -> np.ndarray:
     if not np.isfinite(a).all():
         raise ValueError(f"DSV4 draft GGUF: tensor {name} holds non-finite values")
     return a
+
+
+# DeepSeek-V4's `mtp.<stage>.<rest>` names -> llama.cpp's, as its converter maps them (conversion/deepseek.py:813-876
+# layer names, :932-938 and :980-1002 the names kept at the root whatever the stage)
+_DEEPSEEK_ROOT = {
+    "main_proj.weight": "fc.weight", "main_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
+    "hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
+    "hc_head_scale": "output_hc_scale.weight", "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight", "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",  # no DeepSeek checkpoint has one; llama.cpp's loader does
+}
+_DEEPSEEK_LAYER = {
+    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "hc_attn_fn": "hc_attn_fn.weight", "hc_attn_base": "hc_attn_base.weight", "hc_attn_scale": "hc_attn_scale.weight",
+    "hc_ffn_fn": "hc_ffn_fn.weight", "hc_ffn_base": "hc_ffn_base.weight", "hc_ffn_scale": "hc_ffn_scale.weight",
+    "attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
+    "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
+    "attn.wkv.weight": "attn_kv.weight", "attn.kv_norm.weight": "attn_kv_a_norm.weight",
+    "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
+    "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
+    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight", "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
+    "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
+}
+_DEEPSEEK_EXPERT = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
+
+
+def from_deepseek_names(state: dict[str, Any]) -> dict[str, np.ndarray]:
+    """DeepSeek-V4 drafter tensors (`mtp.<stage>.*`, unquantized) under llama.cpp's GGUF names: a rename, the
+    routed experts stacked [X, out, in]. ValueError for an unknown name, a quantized tensor or a gap in the experts."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for key, value in state.items():
+        m = re.fullmatch(r"mtp\.(\d+)\.(.+)", key)
+        if m is None:
+            raise ValueError(f"DeepSeek-V4 drafter tensor {key!r}: expected mtp.<stage>.<name>")
+        stage, rest = int(m.group(1)), m.group(2)
+        e = re.fullmatch(r"ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)", rest)
+        if rest.endswith(".scale") or (e and e.group(3) == "scale"):
+            raise ValueError(f"DeepSeek-V4 drafter tensor {key!r} is a quantization scale (FP8/MXFP4); "
+                             "dequantize the checkpoint first")
+        if rest in _DEEPSEEK_ROOT:
+            name = _DEEPSEEK_ROOT[rest]
+            a = _array(key, value)
+            if name in out and not np.array_equal(out[name], a):
+                raise ValueError(f"DeepSeek-V4 drafter tensor {key!r} differs from another stage's copy of {name}")
+            out[name] = a
+        elif rest in _DEEPSEEK_LAYER:
+            out[f"blk.{stage}.{_DEEPSEEK_LAYER[rest]}"] = _array(key, value)
+        elif e:
+            experts.setdefault(f"blk.{stage}.{_DEEPSEEK_EXPERT[e.group(2)]}", {})[int(e.group(1))] = _array(key, value)
+        else:
+            raise ValueError(f"DeepSeek-V4 drafter tensor {key!r} has no llama.cpp DSV4 counterpart")
+    for name, by_id in experts.items():
+        if sorted(by_id) != list(range(len(by_id))):
+            raise ValueError(f"{name}: expert ids {sorted(by_id)} are not 0..{len(by_id) - 1}")
+        out[name] = np.stack([by_id[i] for i in range(len(by_id))])
+    return out
 
 
 def write_dsv4_gguf(path: str | Path, tensors: dict[str, Any], cfg: DSV4DraftConfig, target: TargetFacts,

@@ -33,7 +33,7 @@ import llamacpp
 import numpy as np
 import pytest
 
-from serving.gguf_dsv4 import DSV4DraftConfig, TargetFacts, dsv4_shapes, write_dsv4_gguf
+from serving.gguf_dsv4 import DSV4DraftConfig, TargetFacts, dsv4_shapes, from_deepseek_names, write_dsv4_gguf
 
 T = gguf.GGUFValueType
 
@@ -159,6 +159,63 @@ def test_deepseek_2d_wo_a_is_accepted_and_conf_bias_optional(tmp_path):
         del t[k]
     write_dsv4_gguf(tmp_path / "n.gguf", t, cfg, target)
     assert _read(tmp_path / "n.gguf")[0]["dflash.has_confidence_head"][0] is False
+
+
+def _as_deepseek(t: dict[str, np.ndarray], stages: int) -> dict[str, np.ndarray]:
+    """The same draft as DeepSeek-V4 checkpoint tensors, named from conversion/deepseek.py's tables (read by hand):
+    root tensors in the last stage, routed experts one tensor per expert, wo_a in DeepSeek's 2-D [G·O, H·E/G]."""
+    root = {"fc.weight": "main_proj.weight", "enc.output_norm.weight": "main_norm.weight",
+            "output_norm.weight": "norm.weight", "output_hc_fn.weight": "hc_head_fn",
+            "output_hc_base.weight": "hc_head_base", "output_hc_scale.weight": "hc_head_scale",
+            "markov_w1.weight": "markov_head.markov_w1.weight", "markov_w2.weight": "markov_head.markov_w2.weight",
+            "conf_proj.weight": "confidence_head.proj.weight", "conf_proj.bias": "confidence_head.proj.bias"}
+    layer = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+             "attn_sinks.weight": "attn.attn_sink", "attn_q_a.weight": "attn.wq_a.weight",
+             "attn_q_a_norm.weight": "attn.q_norm.weight", "attn_q_b.weight": "attn.wq_b.weight",
+             "attn_kv.weight": "attn.wkv.weight", "attn_kv_a_norm.weight": "attn.kv_norm.weight",
+             "attn_output_b.weight": "attn.wo_b.weight", "ffn_gate_inp.weight": "ffn.gate.weight",
+             "exp_probs_b.bias": "ffn.gate.bias", "ffn_gate_shexp.weight": "ffn.shared_experts.w1.weight",
+             "ffn_down_shexp.weight": "ffn.shared_experts.w2.weight",
+             "ffn_up_shexp.weight": "ffn.shared_experts.w3.weight"}
+    out = {}
+    for name, a in t.items():
+        if name in root:
+            out[f"mtp.{stages - 1}.{root[name]}"] = a
+            continue
+        _, i, rest = name.split(".", 2)
+        if rest in layer:
+            out[f"mtp.{i}.{layer[rest]}"] = a
+        elif rest.startswith("hc_"):
+            out[f"mtp.{i}.{rest.removesuffix('.weight')}"] = a
+        elif rest == "attn_output_a.weight":
+            out[f"mtp.{i}.attn.wo_a.weight"] = a.reshape(-1, a.shape[-1])
+        else:
+            w = {"ffn_gate_exps.weight": "w1", "ffn_down_exps.weight": "w2", "ffn_up_exps.weight": "w3"}[rest]
+            for e in range(a.shape[0]):
+                out[f"mtp.{i}.ffn.experts.{e}.{w}.weight"] = a[e]
+    return out
+
+
+def test_deepseek_checkpoint_names_map_onto_llama_cpp_names(tmp_path):
+    cfg, target = _cfg(), _tiny_target()
+    t = random_tensors(cfg, target.vocab_size)
+    ds = _as_deepseek(t, cfg.num_layers)
+    assert len(ds) == len(t) - 3 * cfg.num_layers + 3 * cfg.num_layers * cfg.num_experts
+    back = from_deepseek_names(ds)
+    assert set(back) == set(t)
+    for name, a in t.items():
+        assert np.array_equal(back[name].reshape(a.shape), a), name
+    write_dsv4_gguf(tmp_path / "d.gguf", back, cfg, target)  # wo_a goes in DeepSeek's 2-D form
+    with pytest.raises(ValueError, match=r"'mtp.0.ffn.experts.1.w1.scale' is a quantization scale"):
+        from_deepseek_names({**ds, "mtp.0.ffn.experts.1.w1.scale": np.ones(1, np.float32)})
+    with pytest.raises(ValueError, match=r"expert ids \[0, 1, 3\]"):
+        from_deepseek_names({k: v for k, v in ds.items() if ".experts.2." not in k})
+    with pytest.raises(ValueError, match="'mtp.0.attn.compressor.wkv.weight' has no llama.cpp DSV4 counterpart"):
+        from_deepseek_names({**ds, "mtp.0.attn.compressor.wkv.weight": np.ones((2, 2), np.float32)})
+    with pytest.raises(ValueError, match="'layers.0.attn_norm.weight': expected mtp.<stage>.<name>"):
+        from_deepseek_names({"layers.0.attn_norm.weight": np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match="differs from another stage's copy of fc.weight"):
+        from_deepseek_names({**ds, "mtp.0.main_proj.weight": ds["mtp.1.main_proj.weight"] + 1})
 
 
 @pytest.mark.parametrize("change, match", [
