@@ -258,7 +258,7 @@ def smollm2_gguf() -> tuple[Path, TargetFacts]:
     return target_gguf, TargetFacts.from_gguf(target_gguf)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", pytest.param("f16", marks=pytest.mark.slow)])  # f16: 20-130 s more
 def test_llama_cpp_loads_the_dsv4_draft_and_drafts_gamma_tokens(tmp_path, smollm2_gguf, dtype):
     """A random-weight DSV4 draft of SmolLM2's width (D 576) in llama-speculative-simple against the SmolLM2-135M
     f32 target: it must select the DSV4 graph and draft-dspark, and draft γ tokens in every round (acceptance is
