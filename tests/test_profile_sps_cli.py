@@ -18,11 +18,9 @@ from workers.target.model import load_target, resolve_target_path
 
 
 def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path):
+    """What the CLI does (launch/profile_sps.py: `profile`, then `to_json`), in this process."""
     out = tmp_path / "sps.json"
-    res = run_script("profile_sps.py", ["--target", "tiny-qwen3-moe", "--batch-sizes", "2,3,8", "--requests", "2",
-                                        "--context", "16", "--repeats", "2", "--out", str(out)])
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "steps/s" in res.stdout
+    profile("tiny-qwen3-moe", [2, 3, 8], 2, 16, 2, warmup=1).to_json(out)  # the CLI's default warmup
     table = SPSTable.from_json(out)
     assert table.batch_sizes.tolist() == [2, 3, 8] and all(s > 0 for s in table.steps_per_s)
     assert all(k in table.meta for k in REQUIRED_META)
@@ -41,6 +39,16 @@ def test_engine_step_keeps_the_context_and_runs_rectangular_batches():
         step(B)
         assert step.cache.get_seq_length() == 10
     assert step.cache.layers[0].keys.shape[0] == 3  # one cache row per request
+
+
+@pytest.mark.slow  # ~10 s: the same profile as a user runs it
+def test_cli_prints_and_writes_the_table(tmp_path):
+    out = tmp_path / "sps.json"
+    res = run_script("profile_sps.py", ["--target", "tiny-qwen3-moe", "--batch-sizes", "2,3,8", "--requests", "2",
+                                        "--context", "16", "--repeats", "2", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "steps/s" in res.stdout and f"wrote {out}" in res.stdout
+    assert SPSTable.from_json(out).batch_sizes.tolist() == [2, 3, 8]
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
