@@ -143,12 +143,15 @@ class MoEConfig:
     expert_intermediate_size: int = 256
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 0.0
-    score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax"
+    score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3), "softmax" or "sqrtsoftplus" (DeepSeek-V4)
+    # the routed experts' weights (renormalised over the top-k for sigmoid/sqrtsoftplus) times this factor
+    # (DeepSeek's routed_scaling_factor; llama.cpp's expert_weights_scale); 1 = unscaled
+    routed_scaling_factor: float = 1.0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "num_experts": at_least(1), "top_k": at_least(1), "num_shared_experts": at_least(0),
         "expert_intermediate_size": at_least(1), "bias_update_rate": at_least(0), "aux_loss_coef": at_least(0),
-        "score_func": one_of("sigmoid", "softmax"),
+        "score_func": one_of("sigmoid", "softmax", "sqrtsoftplus"), "routed_scaling_factor": above(0),
     }
 
     def validate(self, where: str = "draft.moe") -> None:

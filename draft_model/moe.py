@@ -1,8 +1,9 @@
 """DeepSeek-style MoE FFN: top-k routed experts + always-on shared experts.
 
-Routing: scores s = sigmoid(x W_r^T) (DeepSeek-V3) or softmax; experts are *selected* by top-k of s + b, where b
-is the auxiliary-loss-free balance bias (a buffer, never trained by gradient), and *weighted* by s alone
-(sigmoid weights renormalised over the chosen k, as in V3). In training mode each forward nudges
+Routing: scores s = sigmoid(x W_r^T) (DeepSeek-V3), sqrt(softplus(x W_r^T)) (DeepSeek-V4) or softmax; experts are
+*selected* by top-k of s + b, where b is the auxiliary-loss-free balance bias (a buffer, never trained by gradient),
+and *weighted* by s alone (sigmoid and sqrt-softplus weights renormalised over the chosen k, as in V3/V4), times
+`routed_scaling_factor`. In training mode each forward nudges
 b_e += rate * sign(mean_load - load_e), so overloaded experts become less likely to be chosen. An optional
 classic balance loss (aux_loss_coef > 0) is returned for the caller to add to its loss.
 
@@ -73,6 +74,8 @@ class MoE(nn.Module):
         logits_TE = x_TD.float() @ self.router_ED.float().t()
         if self.cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
+        elif self.cfg.score_func == "sqrtsoftplus":
+            scores_TE = F.softplus(logits_TE).sqrt()
         else:
             scores_TE = torch.softmax(logits_TE, dim=-1)
         # the balance bias steers selection only; it never enters the weights (so it needs no gradient)
@@ -80,6 +83,10 @@ class MoE(nn.Module):
         weight_TA = scores_TE.gather(1, expert_TA)
         if self.cfg.score_func == "sigmoid":
             weight_TA = weight_TA / (weight_TA.sum(-1, keepdim=True) + 1e-20)
+        elif self.cfg.score_func == "sqrtsoftplus":
+            weight_TA = weight_TA / weight_TA.sum(-1, keepdim=True)  # DeepSeek-V4's form (the sum is > 0)
+        if self.cfg.routed_scaling_factor != 1.0:
+            weight_TA = weight_TA * self.cfg.routed_scaling_factor
         return expert_TA, weight_TA, scores_TE
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
