@@ -31,8 +31,10 @@ MoE: draft_model/moe.py with score_func sqrtsoftplus and routed_scaling_factor (
 the chosen scores renormalised and scaled); shared experts added. Markov head: heads.MarkovHead. Confidence:
 σ(conf_proj · [h_pre ; W1[x_{k-1}]]), no bias (the DeepSeek checkpoint has none).
 
-`GGUF_NAMES` maps this module's state_dict to llama.cpp's GGUF tensor names and `DEEPSEEK_NAMES` to the DeepSeek-V4
-checkpoint's `mtp.<stage>.` names; `export_state` applies either (renames, plus the two transposes it lists).
+`STAGE_NAMES` and `ROOT_NAMES` map this module's state_dict names to llama.cpp's GGUF tensor names (`blk.<i>.`) and
+to the DeepSeek-V4 checkpoint's (`mtp.<stage>.`); `export_state` applies either: renames, plus a transpose of the
+tensors in `TRANSPOSED` (the routed experts, kept [E, D, I] / [E, I, D] by draft_model/moe.py, and the Markov W2,
+kept [R, V] by heads.py, where the engines store [E, I, D] / [E, D, I] and [V, R]).
 
 Legend: T tokens, N blocks, K block size γ, n hyper-connection streams, D hidden, F context features, H query heads,
 E head dim, Rd rope dims, W context window, L = W + K keys, G output groups, Ro output LoRA rank, R Markov rank.
@@ -318,7 +320,7 @@ class DSV4Draft(FrozenTargetDraft):
 
 # ours (per stage, after "layers.<i>.") -> llama.cpp GGUF (after "blk.<i>."), DeepSeek-V4 checkpoint (after
 # "mtp.<i>."); experts "e" expand per expert in the DeepSeek layout
-_STAGE_NAMES = {
+STAGE_NAMES = {
     "attn_norm.weight": ("attn_norm.weight", "attn_norm.weight"),
     "ffn_norm.weight": ("ffn_norm.weight", "ffn_norm.weight"),
     "hc_attn_fn": ("hc_attn_fn.weight", "hc_attn_fn"),
@@ -345,7 +347,7 @@ _STAGE_NAMES = {
     "ffn.shared.down_proj.weight": ("ffn_down_shexp.weight", "ffn.shared_experts.w2.weight"),
 }
 # whole-draft tensors: ours -> (GGUF, DeepSeek; DeepSeek keeps them under the first (main_*) or last stage)
-_ROOT_NAMES = {
+ROOT_NAMES = {
     "main_proj.weight": ("fc.weight", "main_proj.weight"),
     "main_norm.weight": ("enc.output_norm.weight", "main_norm.weight"),
     "norm.weight": ("output_norm.weight", "norm.weight"),
@@ -356,7 +358,7 @@ _ROOT_NAMES = {
     "head.w2_RV": ("markov_w2.weight", "markov_head.markov_w2.weight"),  # transposed: [V, R]
     "conf_proj.weight": ("conf_proj.weight", "confidence_head.proj.weight"),
 }
-_TRANSPOSED = ("ffn.w_gate_EDI", "ffn.w_up_EDI", "ffn.w_down_EID", "head.w2_RV")
+TRANSPOSED = ("ffn.w_gate_EDI", "ffn.w_up_EDI", "ffn.w_down_EID", "head.w2_RV")
 
 
 def export_state(state: dict[str, torch.Tensor], fmt: str, num_layers: int) -> dict[str, torch.Tensor]:
@@ -369,7 +371,7 @@ def export_state(state: dict[str, torch.Tensor], fmt: str, num_layers: int) -> d
     out: dict[str, torch.Tensor] = {}
 
     def put(ours: str, theirs: str, t: torch.Tensor) -> None:
-        if ours in _TRANSPOSED:
+        if ours in TRANSPOSED:
             t = t.transpose(-1, -2)
         if "{e}" in theirs:
             for e in range(t.shape[0]):
@@ -378,15 +380,15 @@ def export_state(state: dict[str, torch.Tensor], fmt: str, num_layers: int) -> d
             out[theirs] = t.contiguous()
 
     for name, t in state.items():
-        if name in _ROOT_NAMES:
+        if name in ROOT_NAMES:
             stage = 0 if name.startswith("main_") else num_layers - 1
-            theirs = _ROOT_NAMES[name][col]
+            theirs = ROOT_NAMES[name][col]
             put(name, theirs if fmt == "gguf" else f"mtp.{stage}.{theirs}", t)
         elif name.startswith("layers."):
             _, i, rest = name.split(".", 2)
-            if rest not in _STAGE_NAMES:
+            if rest not in STAGE_NAMES:
                 raise KeyError(f"no engine name for {name}")
-            theirs = _STAGE_NAMES[rest][col]
+            theirs = STAGE_NAMES[rest][col]
             put(rest, f"blk.{i}.{theirs}" if fmt == "gguf" else f"mtp.{i}.{theirs}", t)
         else:
             raise KeyError(f"no engine name for {name}")
