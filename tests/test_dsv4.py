@@ -218,3 +218,14 @@ def test_trains_through_the_single_process_trainer(tmp_path):
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(export, *embedding_weights(target))
     assert draft.cfg.arch == "dsv4" and draft.cfg.target_layers == [2]
+
+
+def test_launch_config_resolves_on_smollm2():
+    """launch/configs/v4-deepseek.yaml keeps DeepSeek's fixed forms and reads SmolLM2's last layer input (29 < 30)."""
+    from pipeline.config import load_config
+
+    cfg = load_config(REPO / "launch" / "configs" / "v4-deepseek.yaml")
+    d = cfg.draft
+    assert (d.arch, d.num_kv_heads, d.mhc_streams, d.moe.score_func, d.mask, d.target_layers) == \
+        ("dsv4", 1, 4, "sqrtsoftplus", "token", [29])
+    d.resolved_for_target(vocab_size=49152, hidden_size=576, num_target_layers=30)
