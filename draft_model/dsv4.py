@@ -112,6 +112,22 @@ def pre_logit(n: int, hc_eps: float) -> float:
     return math.log(p / (1.0 - p))
 
 
+class HCHead(nn.Module):
+    """The read-out of the streams: h = Σ_i (σ(fn · flat/rms · scale + base)_i + hc_eps) x_i. A module of its own
+    (not tensors of the draft itself), so that ZeRO-3 gathers them again for the backward: its hooks find tensors
+    a module returns, and the draft returns a DraftOutput."""
+
+    def __init__(self, n: int, D: int, norm_eps: float, hc_eps: float) -> None:
+        super().__init__()
+        self.norm_eps, self.hc_eps = norm_eps, hc_eps
+        self.fn, self.base, self.scale = hc_params(n, D, n, torch.full((n,), pre_logit(n, hc_eps)), 1)
+
+    def forward(self, x_BnD: torch.Tensor) -> torch.Tensor:
+        mix = hc_mixes(x_BnD, self.fn, self.norm_eps) * self.scale.float() + self.base.float()
+        pre = torch.sigmoid(mix) + self.hc_eps
+        return (pre.to(x_BnD.dtype)[..., None, :] @ x_BnD).squeeze(-2)
+
+
 # ---- RoPE: GPT-J interleaved pairs on the trailing dims ----------------------------------------------------------
 
 def rope_tables(pos: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +153,21 @@ def rope_trailing(x_E: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], 
 
 # ---- attention ----------------------------------------------------------------------------------------------------
 
+class GroupedLoRA(nn.Module):
+    """wo_a: heads in G groups, group g through its own [Ro, H*E/G] block of one [G*Ro, H*E/G] weight (DeepSeek's
+    layout). A module with its own forward, so that ZeRO-3 gathers the weight when it runs."""
+
+    def __init__(self, group_dim: int, groups: int, rank: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * rank, group_dim))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
+
+    def forward(self, x_NKGd: torch.Tensor) -> torch.Tensor:
+        w_GRd = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("nkgd,grd->nkgr", x_NKGd, w_GRd).flatten(-2)
+
+
 class DSV4Attention(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -147,7 +178,7 @@ class DSV4Attention(nn.Module):
         self.wq_b = nn.Linear(d.q_lora_rank, H * E, bias=False)
         self.wkv = nn.Linear(D, E, bias=False)
         self.kv_norm = nn.RMSNorm(E, eps=cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(H * E // d.o_groups, d.o_groups * d.o_lora_rank, bias=False)  # G blocks [Ro, H*E/G]
+        self.wo_a = GroupedLoRA(H * E // d.o_groups, d.o_groups, d.o_lora_rank)
         self.wo_b = nn.Linear(d.o_groups * d.o_lora_rank, D, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
 
@@ -169,9 +200,7 @@ class DSV4Attention(nn.Module):
         probs_NHKL = torch.softmax(torch.cat([scores_NHKL, sink_NHK1], dim=-1), dim=-1)[..., :-1]
         out_NKHE = torch.einsum("nhkl,nle->nkhe", probs_NHKL.to(kv_NLE.dtype), kv_NLE)
         out_NKHE = rope_trailing(out_NKHE, (cos[..., None, :], sin[..., None, :]), inverse=True)
-        out_NKGd = out_NKHE.reshape(N, K, G, H * E // G)
-        wo_a_GRd = self.wo_a.weight.view(G, -1, H * E // G)
-        return self.wo_b(torch.einsum("nkgd,grd->nkgr", out_NKGd, wo_a_GRd).flatten(-2))
+        return self.wo_b(self.wo_a(out_NKHE.reshape(N, K, G, H * E // G)))
 
 
 class DSV4Context:
@@ -240,8 +269,7 @@ class DSV4Draft(FrozenTargetDraft):
         self.main_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DSV4Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
-        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = hc_params(
-            n, D, n, torch.full((n,), pre_logit(n, cfg.dsv4.hc_eps)), 1)
+        self.hc_head = HCHead(n, D, cfg.rms_norm_eps, cfg.dsv4.hc_eps)
         self.head = MarkovHead(cfg.vocab_size, cfg.head_rank) if cfg.head == "markov" else None
         conf_in = D + (cfg.head_rank if self.head is not None else 0)
         self.conf_proj = nn.Linear(conf_in, 1, bias=False) if cfg.confidence else None
@@ -271,9 +299,7 @@ class DSV4Draft(FrozenTargetDraft):
         for layer in self.layers:
             x, layer_aux = layer(x, ctx)
             aux = aux + layer_aux
-        mix = hc_mixes(x, self.hc_head_fn, cfg.rms_norm_eps) * self.hc_head_scale.float() + self.hc_head_base.float()
-        pre = torch.sigmoid(mix) + cfg.dsv4.hc_eps
-        return (pre.to(x.dtype)[..., None, :] @ x).squeeze(-2), aux
+        return self.hc_head(x), aux
 
     def confidence_logit(self, pre_norm_D: torch.Tensor, prev_embed_R: torch.Tensor | None) -> torch.Tensor:
         """c_k logit from [h_pre_k; W1[x_{k-1}]] (h_pre: the hidden state before the final norm)."""
@@ -351,9 +377,9 @@ ROOT_NAMES = {
     "main_proj.weight": ("fc.weight", "main_proj.weight"),
     "main_norm.weight": ("enc.output_norm.weight", "main_norm.weight"),
     "norm.weight": ("output_norm.weight", "norm.weight"),
-    "hc_head_fn": ("output_hc_fn.weight", "hc_head_fn"),
-    "hc_head_base": ("output_hc_base.weight", "hc_head_base"),
-    "hc_head_scale": ("output_hc_scale.weight", "hc_head_scale"),
+    "hc_head.fn": ("output_hc_fn.weight", "hc_head_fn"),
+    "hc_head.base": ("output_hc_base.weight", "hc_head_base"),
+    "hc_head.scale": ("output_hc_scale.weight", "hc_head_scale"),
     "head.w1.weight": ("markov_w1.weight", "markov_head.markov_w1.weight"),
     "head.w2_RV": ("markov_w2.weight", "markov_head.markov_w2.weight"),  # transposed: [V, R]
     "conf_proj.weight": ("conf_proj.weight", "confidence_head.proj.weight"),
