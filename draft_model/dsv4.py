@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_model import sampling
-from draft_model.attention import token_positions_T
+from draft_model.attention import take_rows, token_positions_T
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.heads import MarkovHead
@@ -193,7 +193,7 @@ class DSV4Attention(nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)  # weightless, per head
         cos, sin = ctx.rope_slot
         q_NKHE = rope_trailing(q, (cos[..., None, :], sin[..., None, :]))
-        kv_NLE = torch.cat([kv_ctx_TE[ctx.index_NW], self.kv(x_NKD, ctx.rope_slot)], dim=1)
+        kv_NLE = torch.cat([take_rows(kv_ctx_TE, ctx.index_NW), self.kv(x_NKD, ctx.rope_slot)], dim=1)
         scores_NHKL = torch.einsum("nkhe,nle->nhkl", q_NKHE.float(), kv_NLE.float()) * E ** -0.5
         scores_NHKL = scores_NHKL.masked_fill(~ctx.mask_N11L, float("-inf"))
         sink_NHK1 = self.attn_sink.float()[None, :, None, None].expand(N, H, K, 1)
