@@ -147,11 +147,15 @@ class MoEConfig:
     # the routed experts' weights (renormalised over the top-k for sigmoid/sqrtsoftplus) times this factor
     # (DeepSeek's routed_scaling_factor; llama.cpp's expert_weights_scale); 1 = unscaled
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V4's SwiGLU clamp, in every expert (routed and shared): silu(min(gate, L)) * clamp(up, -L, L);
+    # 0 = no clamp (DeepSeek-V4 uses 10)
+    swiglu_limit: float = 0.0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "num_experts": at_least(1), "top_k": at_least(1), "num_shared_experts": at_least(0),
         "expert_intermediate_size": at_least(1), "bias_update_rate": at_least(0), "aux_loss_coef": at_least(0),
         "score_func": one_of("sigmoid", "softmax", "sqrtsoftplus"), "routed_scaling_factor": above(0),
+        "swiglu_limit": at_least(0, note="0 = no clamp"),
     }
 
     def validate(self, where: str = "draft.moe") -> None:

@@ -48,15 +48,17 @@ def _v4_deepseek() -> DraftConfig:
     # DeepSeek-V4's own drafter block (draft_model/dsv4.py), the MoE + hyper-connection draft the engines serve:
     # 3 stages, hc_mult 4 with 20 Sinkhorn iterations, SWA 128 on every stage, γ = 5, Markov r = 256 + confidence,
     # sqrt-softplus router over 8 experts (top 2) + 1 shared, I = 1024 (v4's MoE, so the two compare at about the
-    # same FFN budget). Attention at DeepSeek-V4-Flash's proportions scaled to a 576-wide target (SmolLM2-135M):
-    # 8 query heads of 128 over one shared K = V head, the last 64 dims rotated (V4's qk_rope_head_dim), q-LoRA 256,
-    # 2 output groups of 4 heads each through rank 256. head_dim is explicit, so it fits any hidden size (the tiny
-    # MoE targets' 64 too). Context: the input of SmolLM2's last layer (hidden-state index 29 of 0..30): a layer
-    # input, which llama.cpp's LLaMA/Qwen3 targets expose (not the final state -1); draft_preset(name, L) takes
-    # L - 1 for another depth, and draft.target_layers overrides it.
+    # same FFN budget), with DeepSeek-V4's routed_scaling_factor 1.5 and SwiGLU clamp 10. Attention at
+    # DeepSeek-V4-Flash's proportions scaled to a 576-wide target (SmolLM2-135M): 8 query heads of 128 over one
+    # shared K = V head, the last 64 dims rotated (V4's qk_rope_head_dim), q-LoRA 256, 2 output groups of 4 heads
+    # each through rank 256. head_dim is explicit, so it fits any hidden size (the tiny MoE targets' 64 too).
+    # Context: the input of SmolLM2's last layer (hidden-state index 29 of 0..30): a layer input, which llama.cpp's
+    # LLaMA/Qwen3 targets expose (not the final state -1); draft_preset(name, L) takes L - 1 for another depth, and
+    # draft.target_layers overrides it.
     return DraftConfig(arch="dsv4", block_size=5, num_layers=3, num_heads=8, num_kv_heads=1, head_dim=128,
                        ffn="moe", moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1,
-                                                expert_intermediate_size=1024, score_func="sqrtsoftplus"),
+                                                expert_intermediate_size=1024, score_func="sqrtsoftplus",
+                                                routed_scaling_factor=1.5, swiglu_limit=10.0),
                        residual="mhc", mhc_streams=4, mhc_sinkhorn_iters=20, sliding_window=128, head="markov",
                        head_rank=256, confidence=True, mask="token", target_layers=[29],
                        dsv4=DSV4Config(q_lora_rank=256, rope_head_dim=64, o_groups=2, o_lora_rank=256))

@@ -14,7 +14,8 @@ where the engines do, in the engines' own layouts:
   own position; the window per DeepSeek's reference (every slot sees [p - W, p)), or llama.cpp's per-query mask
   (`llamacpp_window=True`: key position p0 visible to the query at p1 iff p1 - p0 < n_swa, with n_swa = W + 1);
 - the MoE as llama-graph.cpp `build_moe_ffn` with sqrt-softplus gating: top-k of prob + bias, weights the
-  unbiased probs renormalised and scaled; shared experts added; SwiGLU;
+  unbiased probs renormalised and scaled; shared experts added; SwiGLU with ggml's swiglu_clamp
+  (silu(min(gate, L)) * clamp(up, -L, L), ggml-cpu ops.cpp) where the limit L > 0;
 - the heads as dflash.cpp: hc_head -> (confidence input) -> output_norm -> LM head; Markov bias W2 W1[prev];
   confidence sigmoid(proj [h_pre ; W1[prev]]) (returned as a logit).
 """
@@ -93,8 +94,12 @@ def moe(x: torch.Tensor, w: dict, pre: str, hp: dict) -> torch.Tensor:
     weights = probs[chosen]
     weights = weights / weights.sum() * hp["routed_scaling_factor"]
 
-    def swiglu(w1, w3, w2):
-        return w2 @ (torch.nn.functional.silu(w1 @ x) * (w3 @ x))
+    def swiglu(w1, w3, w2):  # with swiglu_limit > 0, ggml_swiglu_clamp: silu(min(g, L)) * clamp(u, -L, L)
+        g, u, limit = w1 @ x, w3 @ x, hp["swiglu_limit"]
+        if limit > 0:
+            g = torch.minimum(g, torch.tensor(limit))
+            u = torch.maximum(torch.minimum(u, torch.tensor(limit)), torch.tensor(-limit))
+        return w2 @ (torch.nn.functional.silu(g) * u)
 
     y = torch.zeros_like(x)
     for j, e in enumerate(chosen):

@@ -33,7 +33,8 @@ def tiny_cfg(**overrides) -> DraftConfig:
                   num_heads=4, head_dim=16, sliding_window=5, head_rank=16, target_layers=[1, 2],
                   mask_token_id=MASK_ID,
                   moe=MoEConfig(num_experts=4, top_k=2, num_shared_experts=1, expert_intermediate_size=24,
-                                score_func="sqrtsoftplus", routed_scaling_factor=1.5),
+                                score_func="sqrtsoftplus", routed_scaling_factor=1.5,
+                                swiglu_limit=0.5),  # small, so that the clamp binds on these random weights
                   dsv4=DSV4Config(q_lora_rank=24, rope_head_dim=8, o_groups=2, o_lora_rank=12))
     return replace(cfg, **overrides)
 
@@ -64,7 +65,8 @@ def reference_hp(cfg: DraftConfig) -> dict:
                 rms_norm_eps=cfg.rms_norm_eps, hc_eps=cfg.dsv4.hc_eps, hc_sinkhorn_iters=cfg.mhc_sinkhorn_iters,
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, rope_head_dim=cfg.dsv4.rope_head_dim,
                 rope_theta=cfg.rope_theta, o_groups=cfg.dsv4.o_groups, top_k=cfg.moe.top_k,
-                routed_scaling_factor=cfg.moe.routed_scaling_factor, noise_token_id=cfg.mask_token_id)
+                routed_scaling_factor=cfg.moe.routed_scaling_factor, swiglu_limit=cfg.moe.swiglu_limit,
+                noise_token_id=cfg.mask_token_id)
 
 
 # sequences of 23 and 11 tokens; anchors before, at and past the window (5), and at 0 (no context)
