@@ -139,7 +139,7 @@ def test_v4_deepseek_trains_the_same_under_zero_2_and_3(tmp_path):
     """DeepSeek-V4's drafter block (arch dsv4) under ZeRO-3, every parameter partitioned, trains as under ZeRO-2:
     each of its tensors is read inside a forward of the module that holds it and reaches the loss through tensors
     that module returns (the grouped output LoRA and the hc_head are modules for that), so ZeRO-3 gathers it for
-    the forward and again for the backward. About 60 s on 2 cores, slow like the stages test above."""
+    the forward and again for the backward. 22 s on an idle 2-core machine, slow like the stages test above."""
     _check_stages(tmp_path, [2, 3], preset="v4-deepseek")
 
 
