@@ -5,6 +5,7 @@ Importing the package registers the built-in architectures (draft_model/registry
 """
 
 import draft_model.draft_lm  # noqa: F401  (registers "draft-lm")
+import draft_model.dsv4  # noqa: F401  (registers "dsv4")
 import draft_model.eagle3  # noqa: F401  (registers "eagle3")
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig, LossConfig, MoEConfig

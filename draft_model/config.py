@@ -143,18 +143,48 @@ class MoEConfig:
     expert_intermediate_size: int = 256
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 0.0
-    score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax"
+    score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3), "softmax" or "sqrtsoftplus" (DeepSeek-V4)
+    # the routed experts' weights (renormalised over the top-k for sigmoid/sqrtsoftplus) times this factor
+    # (DeepSeek's routed_scaling_factor; llama.cpp's expert_weights_scale); 1 = unscaled
+    routed_scaling_factor: float = 1.0
+    # DeepSeek-V4's SwiGLU clamp, in every expert (routed and shared): silu(min(gate, L)) * clamp(up, -L, L);
+    # 0 = no clamp (DeepSeek-V4 uses 10)
+    swiglu_limit: float = 0.0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "num_experts": at_least(1), "top_k": at_least(1), "num_shared_experts": at_least(0),
         "expert_intermediate_size": at_least(1), "bias_update_rate": at_least(0), "aux_loss_coef": at_least(0),
-        "score_func": one_of("sigmoid", "softmax"),
+        "score_func": one_of("sigmoid", "softmax", "sqrtsoftplus"), "routed_scaling_factor": above(0),
+        "swiglu_limit": at_least(0, note="0 = no clamp"),
     }
 
     def validate(self, where: str = "draft.moe") -> None:
         check_ranges(self, where)
         if self.top_k > self.num_experts:
             raise ValueError(f"{where}.top_k ({self.top_k}) must be <= {where}.num_experts ({self.num_experts})")
+
+
+@dataclass
+class DSV4Config:
+    """The dimensions of DeepSeek-V4's drafter block that no other architecture has (arch "dsv4",
+    draft_model/dsv4.py); its other dimensions are the DraftConfig's own (num_heads, head_dim, mhc_*, moe,
+    sliding_window, rope_theta, rms_norm_eps). Names are DeepSeek-V4's config keys."""
+
+    q_lora_rank: int = 256  # queries: D -> q_lora_rank -> RMSNorm -> num_heads x head_dim
+    rope_head_dim: int = 64  # qk_rope_head_dim: RoPE on the trailing dims of each head
+    o_groups: int = 2  # the output LoRA: heads in o_groups groups, each group -> o_lora_rank, then -> D
+    o_lora_rank: int = 256
+    hc_eps: float = 1e-6  # added to the hyper-connections' pre weights and inside Sinkhorn
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "q_lora_rank": at_least(1), "rope_head_dim": at_least(2), "o_groups": at_least(1),
+        "o_lora_rank": at_least(1), "hc_eps": at_least(0),
+    }
+
+    def validate(self, where: str = "draft.dsv4") -> None:
+        check_ranges(self, where)
+        if self.rope_head_dim % 2:
+            raise ValueError(f"{where}.rope_head_dim must be even (RoPE rotates pairs), got {self.rope_head_dim}")
 
 
 @dataclass
@@ -192,6 +222,7 @@ class DraftConfig:
     #                        embedding row of mask_token_id)
     mask_token_id: int = -1  # mask="token": a target token id the data never holds; -1 = chosen at launch from the
     #                          target's tokenizer and chat template (pipeline/mask_token.py)
+    dsv4: DSV4Config = field(default_factory=DSV4Config)  # arch "dsv4" only
 
     RANGES: ClassVar[dict[str, Range]] = {
         "arch": Range(nonempty=True, note="a name in draft_model.registry; RunConfig.validate checks it"),
@@ -228,10 +259,42 @@ class DraftConfig:
         if self.vocab_size and self.mask_token_id >= self.vocab_size:
             raise ValueError(f"draft.mask_token_id must be -1 (chosen at launch) or a token id in "
                              f"0..{self.vocab_size - 1}, got {self.mask_token_id}")
-        if self.mask == "token" and self.arch != "dspark":
+        if self.mask == "token" and self.arch not in ("dspark", "dsv4"):
             raise ValueError(f"draft.mask='token' is the block mask slot of arch 'dspark'; draft.arch={self.arch!r} "
                              "has no mask slots (use draft.mask=learned)")
+        self.dsv4.validate()
+        if self.arch == "dsv4":
+            self._validate_dsv4()
         self._validate_baselines()
+
+    def _validate_dsv4(self) -> None:
+        """The forms DeepSeek-V4's drafter block fixes (draft_model/dsv4.py; llama.cpp refuses or asserts the
+        others), one line each."""
+        wanted = {"ffn": "moe", "residual": "mhc", "mask": "token", "num_kv_heads": 1, "mhc_streams": 4}
+        for name, want in wanted.items():
+            if getattr(self, name) != want:
+                raise ValueError(f"draft.arch='dsv4' (DeepSeek-V4's drafter block) needs draft.{name}={want!r}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.moe.score_func != "sqrtsoftplus":
+            raise ValueError("draft.arch='dsv4' needs draft.moe.score_func='sqrtsoftplus' (DeepSeek-V4's router; "
+                             f"llama.cpp refuses any other), got {self.moe.score_func!r}")
+        if self.sliding_window <= 0:
+            raise ValueError("draft.arch='dsv4' needs draft.sliding_window > 0: every DeepSeek-V4 drafter stage "
+                             "attends a sliding window")
+        if self.head not in ("none", "markov"):
+            raise ValueError(f"draft.arch='dsv4' has a Markov head or none, got draft.head={self.head!r}")
+        if FINAL_HIDDEN in self.target_layers:
+            raise ValueError("draft.arch='dsv4' reads target layer inputs (hidden-state indices 0..L-1, what "
+                             "llama.cpp's targets expose), not the final state -1; got draft.target_layers="
+                             f"{self.target_layers}")
+        d = self.dsv4
+        E = self.head_dim or (self.hidden_size // self.num_heads if self.hidden_size else 0)
+        if E and (E % 2 or d.rope_head_dim > E):
+            raise ValueError(f"draft.dsv4.rope_head_dim ({d.rope_head_dim}) must be at most the head dim ({E}), "
+                             "which must be even")
+        if self.num_heads % d.o_groups:
+            raise ValueError(f"draft.num_heads ({self.num_heads}) must be a multiple of draft.dsv4.o_groups "
+                             f"({d.o_groups})")
 
     def _validate_baselines(self) -> None:
         """The combinations the MTP-1 and draft-LM baselines allow (checked at config load, one line each)."""
@@ -264,11 +327,15 @@ class DraftConfig:
             if layer != FINAL_HIDDEN and not (0 <= layer <= num_target_layers):
                 raise ValueError(f"draft.target_layers has {layer}, but the target has hidden states "
                                  f"0..{num_target_layers} (or -1 for the final pre-LM-head state)")
+            if self.arch == "dsv4" and layer == num_target_layers:
+                raise ValueError(f"draft.target_layers has {layer}, the target's last hidden state; arch 'dsv4' reads "
+                                 f"layer inputs 0..{num_target_layers - 1}, the ones llama.cpp's targets expose")
 
     def resolved_for_target(self, vocab_size: int, hidden_size: int, num_target_layers: int) -> DraftConfig:
         """A copy with vocab/hidden size filled in from the target, checked against it."""
         self.check_target(vocab_size, hidden_size, num_target_layers)
-        out = DraftConfig(**{**asdict(self), "moe": MoEConfig(**asdict(self.moe))})
+        out = DraftConfig(**{**asdict(self), "moe": MoEConfig(**asdict(self.moe)),
+                             "dsv4": DSV4Config(**asdict(self.dsv4))})
         out.vocab_size, out.hidden_size = vocab_size, hidden_size
         out.validate()
         return out

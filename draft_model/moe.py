@@ -1,10 +1,12 @@
 """DeepSeek-style MoE FFN: top-k routed experts + always-on shared experts.
 
-Routing: scores s = sigmoid(x W_r^T) (DeepSeek-V3) or softmax; experts are *selected* by top-k of s + b, where b
-is the auxiliary-loss-free balance bias (a buffer, never trained by gradient), and *weighted* by s alone
-(sigmoid weights renormalised over the chosen k, as in V3). In training mode each forward nudges
+Routing: scores s = sigmoid(x W_r^T) (DeepSeek-V3), sqrt(softplus(x W_r^T)) (DeepSeek-V4) or softmax; experts are
+*selected* by top-k of s + b, where b is the auxiliary-loss-free balance bias (a buffer, never trained by gradient),
+and *weighted* by s alone (sigmoid and sqrt-softplus weights renormalised over the chosen k, as in V3/V4), times
+`routed_scaling_factor`. In training mode each forward nudges
 b_e += rate * sign(mean_load - load_e), so overloaded experts become less likely to be chosen. An optional
-classic balance loss (aux_loss_coef > 0) is returned for the caller to add to its loss.
+classic balance loss (aux_loss_coef > 0) is returned for the caller to add to its loss. Every expert's SwiGLU (routed
+and shared) takes DeepSeek-V4's clamp when `swiglu_limit` > 0 (ffn.swiglu).
 
 Experts run batched: (token, choice) pairs are sorted by expert, each expert does one matmul on its contiguous
 slice, and results are index_add-ed back weighted by their scores. There is no capacity limit, so no token is
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_model.config import MoEConfig
-from draft_model.ffn import SwiGLU
+from draft_model.ffn import SwiGLU, swiglu
 
 
 class MoE(nn.Module):
@@ -45,7 +47,7 @@ class MoE(nn.Module):
         self.w_gate_EDI = nn.Parameter(torch.randn(E, D, I) * D ** -0.5)
         self.w_up_EDI = nn.Parameter(torch.randn(E, D, I) * D ** -0.5)
         self.w_down_EID = nn.Parameter(torch.randn(E, I, D) * I ** -0.5)
-        self.shared = SwiGLU(D, cfg.num_shared_experts * I) if cfg.num_shared_experts > 0 else None
+        self.shared = SwiGLU(D, cfg.num_shared_experts * I, cfg.swiglu_limit) if cfg.num_shared_experts > 0 else None
         # persistent: the balance state must survive checkpoint/resume
         self.register_buffer("router_bias_E", torch.zeros(E))
         # tokens routed to each expert by the last forward (metrics and tests); not checkpointed
@@ -73,6 +75,8 @@ class MoE(nn.Module):
         logits_TE = x_TD.float() @ self.router_ED.float().t()
         if self.cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
+        elif self.cfg.score_func == "sqrtsoftplus":
+            scores_TE = F.softplus(logits_TE).sqrt()
         else:
             scores_TE = torch.softmax(logits_TE, dim=-1)
         # the balance bias steers selection only; it never enters the weights (so it needs no gradient)
@@ -80,6 +84,10 @@ class MoE(nn.Module):
         weight_TA = scores_TE.gather(1, expert_TA)
         if self.cfg.score_func == "sigmoid":
             weight_TA = weight_TA / (weight_TA.sum(-1, keepdim=True) + 1e-20)
+        elif self.cfg.score_func == "sqrtsoftplus":
+            weight_TA = weight_TA / weight_TA.sum(-1, keepdim=True)  # DeepSeek-V4's form (the sum is > 0)
+        if self.cfg.routed_scaling_factor != 1.0:
+            weight_TA = weight_TA * self.cfg.routed_scaling_factor
         return expert_TA, weight_TA, scores_TE
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +109,7 @@ class MoE(nn.Module):
         for e, xe in enumerate(x_PD.split(counts_E.tolist())):  # loop over experts (few), never over tokens
             if xe.shape[0] == 0:
                 continue
-            h = F.silu(xe @ gate_DI[e]) * (xe @ up_DI[e])
+            h = swiglu(xe @ gate_DI[e], xe @ up_DI[e], self.cfg.swiglu_limit)
             outs.append(h @ down_ID[e])
         y_PD = torch.cat(outs, dim=0) if outs else x_PD.new_zeros(0, D)
         w_P = weight_TA.reshape(-1)[order_P].to(y_PD.dtype)

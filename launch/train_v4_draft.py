@@ -1,8 +1,8 @@
 """Train a DSpark draft model: frozen-target Ray workers stream hidden states to DeepSpeed draft trainers.
 
-Despite its name this script trains every draft architecture, all seven presets of draft_model/presets.py
-(draft.preset: dflash, dspark-markov, dspark-rnn, v4, eagle3, mtp1, draft-lm); the name stays because users, the
-k8s manifests and the docs call it by it.
+Despite its name this script trains every draft architecture, all eight presets of draft_model/presets.py
+(draft.preset: dflash, dspark-markov, dspark-rnn, v4, v4-deepseek, eagle3, mtp1, draft-lm); the name stays because
+users, the k8s manifests and the docs call it by it.
 
 Local (starts a Ray cluster on this machine; the embedded default is the `tiny` preset on CPU):
     python launch/train_v4_draft.py

@@ -46,6 +46,9 @@ def tiny(cfg: DraftConfig, **overrides) -> DraftConfig:
                                                               expert_intermediate_size=32),
                  mhc_streams=3, sliding_window=min(cfg.sliding_window, 6),
                  mask_token_id=MASK_ID if cfg.mask == "token" and cfg.mask_token_id < 0 else cfg.mask_token_id)
+    if cfg.arch == "dsv4":  # DeepSeek-V4's fixed forms: one shared K = V head, 4 streams; its own ranks shrunk
+        small.update(num_kv_heads=1, mhc_streams=4, head_dim=8,
+                     dsv4=replace(cfg.dsv4, q_lora_rank=16, rope_head_dim=4, o_lora_rank=8))
     small.update(overrides)
     return replace(cfg, **small)
 

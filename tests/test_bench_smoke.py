@@ -69,6 +69,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                   "--scale-set", "train_prompts=16", "regen_max_new=32", "regen_batch=8", "regen_ray=false",
                   "eval_prompts=1", "eval_max_new=8", "anchors_per_seq=8", "trainers=1"],
                  rf"tau_ratio dspark/dflash={NUM} dspark/eagle3={NUM}", 1800),
+    # an untrained 2-stage v4-deepseek on the tiny MoE target (_prepare), window 16 on 64-token texts
+    "dsv4_window": (["--export", "{tmp}/export", "--target", "tiny-qwen3-moe", "--seqs", "2", "--len", "64"],
+                    rf"dsv4_window export=\S+ blocks=\d+ tau_reference={NUM} tau_llamacpp={NUM} greedy_differs={NUM}",
+                    600),
     # llama.cpp b11434 is built first (bench/llamacpp.py, cached under ~/.cache/dspark: tens of minutes once)
     "serve_llamacpp": (["--quick", "--steps", "2", "--run-dir", "{tmp}/run"],
                        rf"serve engine=llama\.cpp tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} "
@@ -91,12 +95,34 @@ def test_every_bench_script_has_a_smoke_case():
     assert not set(CASES) & set(EXCLUDED)
 
 
+def _export_untrained_dsv4(out: Path) -> None:
+    from dataclasses import replace
+
+    import torch
+
+    from draft_model import build_draft, draft_preset
+    from draft_model.config import DSV4Config
+    from pipeline.export import export_draft
+    from workers.target.model import embedding_weights, load_target, resolve_target_path
+
+    target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
+    cfg = draft_preset("v4-deepseek", 3)
+    cfg = replace(cfg, num_layers=2, num_heads=4, head_dim=16, sliding_window=16, head_rank=8, mask_token_id=3,
+                  moe=replace(cfg.moe, num_experts=4, expert_intermediate_size=32),
+                  dsv4=DSV4Config(q_lora_rank=16, rope_head_dim=8, o_groups=2, o_lora_rank=16))
+    torch.manual_seed(0)
+    draft = build_draft(cfg, *embedding_weights(target))
+    export_draft(draft.state_dict(), {"draft": draft.cfg.to_dict()}, out)
+
+
 def _prepare(name: str, tmp: Path) -> None:
     if name == "heldout_acceptance":  # it compares exported drafts: two untrained ones on the tiny MoE target
         from test_evaluate_cli import export_untrained_draft
 
         for d in ("a", "b"):
             export_untrained_draft(tmp / d)
+    if name == "dsv4_window":
+        _export_untrained_dsv4(tmp / "export")
     if name == "serve_llamacpp":
         import llamacpp
 

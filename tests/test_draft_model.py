@@ -397,8 +397,9 @@ def test_presets():
     assert dflash.head == "none" and dflash.confidence and dflash.block_size == 7 and dflash.sliding_window == 0
     assert dflash.target_layers == [1, 9, 17, 25, 33]
     assert draft_preset("dspark-rnn").head == "rnn" and draft_preset("dspark-markov").head == "markov"
-    for name in PRESETS:
-        draft_preset(name).resolved_for_target(vocab_size=1000, hidden_size=512, num_target_layers=8)
+    for name in PRESETS:  # v4-deepseek's default context layer (29) is SmolLM2's; with the depth, L - 1
+        depth = 8 if name == "v4-deepseek" else None
+        draft_preset(name, depth).resolved_for_target(vocab_size=1000, hidden_size=512, num_target_layers=8)
     draft_preset("v4").target_layers.append(3)  # presets are fresh copies
     assert draft_preset("v4").target_layers == [-1]
 

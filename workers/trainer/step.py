@@ -66,7 +66,7 @@ def compile_draft(draft: nn.Module) -> int:
     """torch.compile every decoder layer of the draft backbone in place (dynamic shapes: T and N change every
     batch); returns how many. Applied here, never inside draft_model/. The first steps pay the compile (minutes on
     a small CPU); on a 2-core CPU it measured no faster than eager (docs/design-notes.md), so it is off by default."""
-    layers = getattr(getattr(draft, "backbone", None), "layers", None)
+    layers = getattr(getattr(draft, "backbone", draft), "layers", None)  # dsv4 holds its stages itself
     if layers is None:
         raise ValueError(f"train.compile: {type(draft).__name__} has no backbone layers to compile")
     for layer in layers:
