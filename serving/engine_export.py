@@ -46,6 +46,10 @@ def check_servable(cfg: DraftConfig, fmt: str, drop_confidence: bool = False) ->
     if fmt not in FORMATS:
         raise NotServable(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     why = None
+    if cfg.arch == "dsv4":  # servable, but as llama.cpp's DSV4 GGUF (serving/dsv4_gguf_export.py)
+        raise NotServable(f"cannot export this draft as {fmt}: draft.arch='dsv4' is DeepSeek-V4's own drafter block, "
+                          "which llama.cpp loads as a GGUF; write it with: python launch/export_draft.py RUN --format "
+                          "gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf")
     if cfg.arch != "dspark":
         why = (f"draft.arch={cfg.arch!r} is a baseline with no DSpark engine format; engines serve arch 'dspark' "
                f"drafts")
