@@ -393,9 +393,14 @@ def serve_dsv4(args: argparse.Namespace) -> int:
         caught += hit
         log(f"control {name}: rounds equal {f_c:.3f}, probability gap {gap_c:.4f} -> {'caught' if hit else 'MISSED'}")
     log(f"probability gap {gap:.4f}; controls caught {caught}/{len(controls)}")
-    # fp4: DeepSeek's checkpoint route (MXFP4 experts through convert_hf_to_gguf.py --dspark) is not run here
+    # fp4: the routed experts in MXFP4, DeepSeek's checkpoint precision, quantized by gguf-py and written directly;
+    # not DeepSeek's route (a DeepseekV4ForCausalLM checkpoint through convert_hf_to_gguf.py --dspark)
+    g = write_dsv4_gguf(work / "draft-v4-deepseek-mxfp4-experts.gguf", tensors, gcfg, facts, mxfp4_experts=True)
+    fp4 = compare(engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma, args.threads), mine,
+                  gamma)[0]
+    log(f"T=0 with MXFP4 routed experts (gguf-py's quantizer, no QAT): tau engine {fp4:.3f} (f32: {a0:.3f})")
     print(f"serve engine=llama.cpp preset=v4-deepseek tau_engine_T0={a0:.3f} tau_ours_T0={b0:.3f} "
-          f"agreement_T0={a0 / b0:.3f} rounds_equal_T0={f0:.3f} fp4_tau_T0=na")
+          f"agreement_T0={a0 / b0:.3f} rounds_equal_T0={f0:.3f} fp4_tau_T0={fp4:.3f}")
     return 0
 
 
