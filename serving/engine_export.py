@@ -198,6 +198,11 @@ def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str
     """The end of a run: `<run_dir>/export-<format>` for every format the draft can be served in; one log line per
     format saying where it went or why not (nothing raised: our own export is already written)."""
     written: dict[str, Path] = {}
+    if json.loads((Path(export_dir) / "config.json").read_text()).get("draft", {}).get("arch") == "dsv4":
+        # llama.cpp's DSV4 GGUF needs the target's GGUF (its tokenizer), which a run does not have
+        log.info("arch dsv4 is served as llama.cpp's DSV4 GGUF: python launch/export_draft.py %s --format gguf-dsv4 "
+                 "--target-gguf TARGET.gguf --out %s", run_dir, Path(run_dir) / "draft-dsv4.gguf")
+        return written
     try:
         facts = target_facts(target_dir, target_name)
     except (FileNotFoundError, KeyError, ValueError) as e:

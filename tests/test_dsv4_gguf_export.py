@@ -1,8 +1,9 @@
 """A trained v4-deepseek draft (our export format) as llama.cpp's DSV4 draft GGUF (serving/dsv4_gguf_export.py,
 `launch/export_draft.py --format gguf-dsv4`): every GGUF hyper-parameter derived from the DraftConfig, the tensors
-read back equal to the export's (the routed experts and W2 transposed), the CLI's refusals, and llama.cpp b11434
-loading the export of a draft of launch/configs/v4-deepseek.yaml's shape on SmolLM2 (D 576) and drafting γ tokens a
-round with it. Random weights: the faithfulness of a trained one is bench/serve_llamacpp.py --preset v4-deepseek's.
+read back equal to the export's (the routed experts and W2 transposed), the CLI's refusals, the end-of-run log line,
+and llama.cpp b11434 loading the export of a draft of launch/configs/v4-deepseek.yaml's shape on SmolLM2 (D 576) and
+drafting γ tokens a round with it. Random weights: the faithfulness of a trained one is bench/serve_llamacpp.py
+--preset v4-deepseek's.
 
 The llama.cpp test needs the build (python bench/llamacpp.py build); without it that one test is skipped.
 Run: python -m pytest tests/test_dsv4_gguf_export.py -q
@@ -154,3 +155,16 @@ def test_cli_refusals_are_one_error_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and match in err, err
     assert not (tmp_path / "d.gguf").exists()
+
+
+def test_end_of_run_names_the_gguf_command_once(tmp_path, caplog):
+    import logging
+
+    from serving.engine_export import export_servable
+
+    export, _ = _smollm2_export(tmp_path)
+    log = logging.getLogger("t.dsv4")
+    with caplog.at_level(logging.INFO, logger="t.dsv4"):
+        written = export_servable(export, tmp_path / "run", tmp_path / "no-target", "smollm2", log)
+    assert written == {} and len(caplog.records) == 1
+    assert f"launch/export_draft.py {tmp_path / 'run'} --format gguf-dsv4" in caplog.text
