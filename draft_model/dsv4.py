@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draft_model import sampling
 from draft_model.attention import take_rows, token_positions_T
 from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
@@ -325,21 +324,7 @@ class DSV4Draft(FrozenTargetDraft):
         lm_VD = self.frozen_lm_head_VD
         pre_NKD, _ = self.pre_norm_hidden(batch)
         base_NKV = self.norm(pre_NKD).to(lm_VD.dtype) @ lm_VD.t()
-        embeds: list[torch.Tensor] = []
-        step_fn = None
-        if self.head is not None:
-            w2_RV = self.head.w2_RV
-
-            def step_fn(k: int, prev_N: torch.Tensor) -> torch.Tensor:
-                factor_NR, prev_embed_NR, _ = self.head.step(pre_NKD[:, k], prev_N, None)
-                embeds.append(prev_embed_NR)
-                return (factor_NR @ w2_RV).to(base_NKV.dtype)
-
-        tokens_NK, probs_NKV = sampling.sample_block(base_NKV, step_fn, batch.anchor_ids_N(), temperature, generator)
-        conf_logit_NK = None
-        if self.conf_proj is not None:
-            conf_logit_NK = self.confidence_logit(pre_NKD, torch.stack(embeds, dim=1) if embeds else None)
-        return tokens_NK, probs_NKV, conf_logit_NK
+        return self.sample_with_head(base_NKV, pre_NKD, batch, temperature, generator)  # heads read the pre-norm state
 
 
 # ---- names in the engines' formats --------------------------------------------------------------------------------

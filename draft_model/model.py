@@ -82,6 +82,29 @@ class FrozenTargetDraft(nn.Module):
         """[R, V] trainable second factor of a sequential head; None for architectures without one."""
         return None
 
+    def sample_with_head(self, base_NKV: torch.Tensor, head_in_NKD: torch.Tensor, batch: BlockBatch,
+                         temperature: float, generator: torch.Generator | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft a block left to right from the backbone's logits `base_NKV`: the sequential head (`self.head`, may
+        be None) reads `head_in_NKD` and the token sampled before each slot; the confidence head
+        (`self.conf_proj`, `self.confidence_logit`) reads the same states. -> draft_block's triple."""
+        embeds: list[torch.Tensor] = []
+        step_fn = None
+        if self.head is not None:
+            w2_RV, state = self.head.w2_RV, None
+
+            def step_fn(k: int, prev_N: torch.Tensor) -> torch.Tensor:
+                nonlocal state
+                factor_NR, prev_embed_NR, state = self.head.step(head_in_NKD[:, k], prev_N, state)
+                embeds.append(prev_embed_NR)
+                return (factor_NR @ w2_RV).to(base_NKV.dtype)
+
+        tokens_NK, probs_NKV = sampling.sample_block(base_NKV, step_fn, batch.anchor_ids_N(), temperature, generator)
+        conf_logit_NK = None
+        if self.conf_proj is not None:
+            conf_logit_NK = self.confidence_logit(head_in_NKD, torch.stack(embeds, dim=1) if embeds else None)
+        return tokens_NK, probs_NKV, conf_logit_NK
+
 
 @register_draft("dspark")
 class DraftModel(FrozenTargetDraft):
@@ -128,19 +151,4 @@ class DraftModel(FrozenTargetDraft):
         lm_VD = self.frozen_lm_head_VD
         hidden_NKD = self.backbone_hidden(batch)
         base_NKV = hidden_NKD.to(lm_VD.dtype) @ lm_VD.t()
-        embeds: list[torch.Tensor] = []
-        step_fn = None
-        if self.head is not None:
-            w2_RV, state = self.head.w2_RV, None
-
-            def step_fn(k: int, prev_N: torch.Tensor) -> torch.Tensor:
-                nonlocal state
-                factor_NR, prev_embed_NR, state = self.head.step(hidden_NKD[:, k], prev_N, state)
-                embeds.append(prev_embed_NR)
-                return (factor_NR @ w2_RV).to(base_NKV.dtype)
-
-        tokens_NK, probs_NKV = sampling.sample_block(base_NKV, step_fn, batch.anchor_ids_N(), temperature, generator)
-        conf_logit_NK = None
-        if self.conf_proj is not None:
-            conf_logit_NK = self.confidence_logit(hidden_NKD, torch.stack(embeds, dim=1) if embeds else None)
-        return tokens_NK, probs_NKV, conf_logit_NK
+        return self.sample_with_head(base_NKV, hidden_NKD, batch, temperature, generator)

@@ -75,7 +75,7 @@ CONFIG_CASES = [  # (override, what the line must say)
     ("target.max_restarts=-2", "target.max_restarts must be >= 0, or -1 (no limit), got -2"),
     ("target.dtype=fp8", "target.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'fp8'"),
     ("target.resources_per_worker={accel: -1}", "target.resources_per_worker must be a mapping whose values"),
-    ("draft.arch=nope", "draft.arch must be one of ['draft-lm', 'dspark', 'eagle3'], got 'nope'"),
+    ("draft.arch=nope", "draft.arch must be one of ['draft-lm', 'dspark', 'dsv4', 'eagle3'], got 'nope'"),
     ("draft.target_layers=[]", "draft.target_layers must be a non-empty list, each >= 0, or -1"),
     ("draft.target_layers=[-3]", "draft.target_layers must be a non-empty list"),
     ("draft.moe.num_experts=0", "draft.moe.num_experts must be >= 1, got 0"),
