@@ -1,7 +1,7 @@
 """Serve our own draft in a real engine: llama.cpp b11434 (CPU), against our evaluator, round by round.
 
     python bench/serve_llamacpp.py [--steps 200] [--per-set 2] [--max-new-tokens 64] [--export DIR]
-                                   [--legacy-export DIR] [--quick]
+                                   [--legacy-export DIR] [--quick] [--preset servable|v4-deepseek]
 
 1. Trains a servable draft for SmolLM2-135M (launch/configs/servable.yaml, single process) and, at the same budget,
    the same draft in the forms engines do not implement (draft.qk_norm=false, draft.mask=learned); both reused
@@ -22,11 +22,24 @@
 Needs the llama.cpp build (python bench/llamacpp.py build). Last line:
 serve engine=llama.cpp tau_engine_T0=A tau_ours_T0=B agreement_T0=A/B rounds_equal_T0=F controls_caught=K controls=N
 tau_engine_T1=C tau_ours_T1=D agreement_T1=C/D speedup_T0=S0 speedup_T1=S1
+
+--preset v4-deepseek (docs/dsv4.md, "Served by llama.cpp"): DeepSeek-V4's drafter block instead. Trains
+launch/configs/v4-deepseek.yaml single-process (or reuses --export), writes it with launch/export_draft.py's
+gguf-dsv4 writer, and compares at T = 0 only, round by round, llama.cpp's drafts with our evaluator's under
+llama.cpp's per-query sliding window (the one convention where the engine departs from the trained block): the
+drafted blocks, the accepted counts and every drafted token's probability as llama.cpp prints it (its draft sampler
+renormalises over the top 10). Two controls with one key value wrong (the window off by one, expert_weights_scale
+1) must move the rounds or the probabilities. Last line:
+serve engine=llama.cpp preset=v4-deepseek tau_engine_T0=A tau_ours_T0=B agreement_T0=A/B rounds_equal_T0=F
+fp4_tau_T0=na
+(fp4: DeepSeek's checkpoint route with MXFP4 experts, convert_hf_to_gguf.py --dspark, is not run yet.)
+    python bench/serve_llamacpp.py --preset v4-deepseek --steps 60 --per-set 1 --max-new-tokens 32
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -45,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 EVENT = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(-?\d+)|accepted (\d+)/(\d+) draft tokens")
 SETS = ["humaneval", "gsm8k", "mtbench"]
 F_CAUGHT = 0.95  # a control is caught when fewer rounds than this agree
+P_CAUGHT = 2e-3  # ... or (v4-deepseek) a drafted token's probability differs by more (llama.cpp prints 3 decimals)
 
 
 def log(msg: str) -> None:
@@ -55,12 +69,12 @@ def log(msg: str) -> None:
 LEGACY = ["draft.qk_norm=false", "draft.mask=learned"]
 
 
-def train(run_dir: Path, steps: int, overrides: list[str]) -> Path:
+def train(run_dir: Path, steps: int, overrides: list[str], preset: str = "servable") -> Path:
     if (run_dir / "export" / "model.safetensors").is_file():
         log(f"reusing the draft in {run_dir / 'export'}")
         return run_dir / "export"
-    log(f"training a draft ({steps} steps, single process, {overrides or 'servable'}) into {run_dir}")
-    subprocess.run([sys.executable, str(REPO / "launch" / "train_v4_draft.py"), "--preset", "servable",
+    log(f"training a draft ({steps} steps, single process, {overrides or preset}) into {run_dir}")
+    subprocess.run([sys.executable, str(REPO / "launch" / "train_v4_draft.py"), "--preset", preset,
                     "--single-process", "--run-dir", str(run_dir), "--max-steps", str(steps), *overrides],
                    check=True)
     return run_dir / "export"
@@ -123,8 +137,56 @@ class ArgmaxDraft:
         return prop
 
 
-def ours(export: Path, items, temperature: float, max_new: int) -> list[list[tuple[int, list[int]]]]:
-    """(accepted count, drafted block) of every round, per prompt, from our evaluator."""
+@contextlib.contextmanager
+def llamacpp_window():
+    """Arch dsv4 drafts under llama.cpp's per-query sliding window (key p0 visible to the slot at p1 iff
+    p1 - p0 < n_swa = W + 1) instead of the reference's one window per block (docs/dsv4.md, departure 1): the
+    engine's convention, so that a round-by-round comparison tests the export, not the known departure."""
+    from dsv4_window import llamacpp_context
+
+    from draft_model import dsv4
+
+    saved, dsv4.DSV4Context = dsv4.DSV4Context, llamacpp_context
+    try:
+        yield
+    finally:
+        dsv4.DSV4Context = saved
+
+
+class GreedyWithProbs(ArgmaxDraft):
+    """T = 0 as llama.cpp drafts it, and what its -v log prints beside each drafted token: the draft's argmax (the
+    Markov head conditioned on it), with that token's probability under llama.cpp's draft sampler: the softmax of
+    the slot's logits at T = 1 renormalised over the top 10 (common/speculative.cpp:1094-1095, top_k = 10).
+    Proposes the one-hot block a T = 0 draft proposes; `probs` holds the printed probabilities, per round."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.probs: list[list[float]] = []
+
+    def propose(self, ctx, anchor_token, temperature, generator):
+        from dataclasses import replace
+
+        import torch
+
+        from draft_model import sampling
+
+        saved = sampling.sample_categorical
+        sampling.sample_categorical = lambda p, g=None: p.argmax(-1)  # T = 1 distributions, argmax tokens
+        try:
+            prop = self.inner.propose(ctx, anchor_token, 1.0, generator)
+        finally:
+            sampling.sample_categorical = saved
+        self.blocks.append(prop.tokens_K.tolist())
+        top_KL = prop.probs_KV.topk(DRAFT_TOP_K, dim=-1).values  # the argmax is top_KL[:, 0]
+        self.probs.append((top_KL[:, 0] / top_KL.sum(-1)).tolist())
+        one_hot = torch.nn.functional.one_hot(prop.tokens_K, prop.probs_KV.shape[-1]).to(prop.probs_KV.dtype)
+        return replace(prop, probs_KV=one_hot)
+
+
+def ours(export: Path, items, temperature: float, max_new: int, probs: list | None = None
+         ) -> list[list[tuple[int, list[int]]]]:
+    """(accepted count, drafted block) of every round, per prompt, from our evaluator. With `probs` (T = 0 only),
+    the drafted tokens' probabilities as llama.cpp prints them are appended to it, one list of rounds per prompt."""
     import torch
 
     from evaluation.drafters import load_drafter
@@ -132,14 +194,19 @@ def ours(export: Path, items, temperature: float, max_new: int) -> list[list[tup
     from workers.target.model import load_target, resolve_target_path
 
     target, tok = load_target(resolve_target_path("smollm2"), dtype=torch.float32)
-    drafter = ArgmaxDraft(load_drafter(export, target, calibrated=False))
+    inner = load_drafter(export, target, calibrated=False)
+    drafter = GreedyWithProbs(inner) if probs is not None else ArgmaxDraft(inner)
     eos = {tok.eos_token_id}
     out = []
     for i, (_, _, ids) in enumerate(items):
         rounds = RoundLog()
         drafter.blocks = []
+        if probs is not None:
+            drafter.probs = []
         generate(target, drafter, ids, temperature, max_new, torch.Generator().manual_seed(i), eos, rounds, i)
         out.append(list(zip(rounds.num_accepted_R, drafter.blocks, strict=True)))
+        if probs is not None:
+            probs.append(drafter.probs)
     return out
 
 
@@ -155,9 +222,26 @@ def parse_rounds(log_text: str) -> list[tuple[int, list[int]]]:
     return rounds
 
 
+# the probability llama.cpp prints beside the drafted token (candidate 0) of each slot, after its draft sampler's
+# top-k of DRAFT_TOP_K
+DRAFT_TOP_K = 10
+DRAFT_PROB = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+-?\d+ \(\s*([\d.]+)\)")
+
+
+def parse_probs(log_text: str) -> list[list[float]]:
+    """The drafted tokens' printed probabilities of every round (slot 0 starts a new round)."""
+    rounds: list[list[float]] = []
+    for pos, prob in DRAFT_PROB.findall(log_text):
+        if pos == "0":
+            rounds.append([])
+        rounds[-1].append(float(prob))
+    return rounds
+
+
 def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
-                  threads: int) -> list[list[tuple[int, list[int]]]]:
-    """(accepted, drafted block) of every round, per prompt, from llama-speculative-simple -v."""
+                  threads: int, logs: list[str] | None = None) -> list[list[tuple[int, list[int]]]]:
+    """(accepted, drafted block) of every round, per prompt, from llama-speculative-simple -v; each prompt's raw
+    log is appended to `logs` when given."""
     out = []
     for i, (_, text, _) in enumerate(items):
         res = subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
@@ -167,6 +251,8 @@ def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float
         if res.returncode != 0:
             raise RuntimeError(f"llama-speculative-simple failed:\n{res.stderr[-3000:]}")
         out.append(parse_rounds(res.stdout + res.stderr))
+        if logs is not None:
+            logs.append(res.stdout + res.stderr)
     return out
 
 
@@ -240,6 +326,84 @@ def server_speed(target_gguf: Path, draft_gguf: Path | None, items, temperature:
         proc.wait(timeout=30)
 
 
+def prob_gap(eng: Rounds, eng_probs: list, mine: Rounds, mine_probs: list, gamma: int) -> float:
+    """The largest |p_engine - p_ours| of a drafted token over the full-γ rounds whose blocks are equal (llama.cpp
+    prints 3 decimals: 5e-4 is agreement)."""
+    gap = 0.0
+    for e, ep, m, mp in zip(eng, eng_probs, mine, mine_probs, strict=True):
+        for (_, block), pe, (_, ours_block), po in zip(e, ep, m, mp, strict=False):
+            if len(block) == gamma and block == ours_block:
+                gap = max(gap, *(abs(a - b) for a, b in zip(pe, po, strict=True)))
+    return gap
+
+
+def serve_dsv4(args: argparse.Namespace) -> int:
+    """--preset v4-deepseek: DeepSeek-V4's drafter block (arch dsv4) through launch/export_draft.py --format
+    gguf-dsv4, against our evaluator under llama.cpp's window, round by round at T = 0: the drafted blocks, the
+    accepted counts and the drafted tokens' probabilities. Control: the same GGUF with the window off by one
+    (n_swa = W), which the comparison must catch."""
+    from dataclasses import replace
+
+    from draft_model.dsv4 import export_state
+    from pipeline.export import read_export
+    from serving.dsv4_gguf_export import dsv4_draft_config, write_export_gguf
+    from serving.gguf_dsv4 import TargetFacts, write_dsv4_gguf
+    from workers.target.model import load_tokenizer, resolve_target_path
+
+    run_dir = Path(args.run_dir)
+    export = Path(args.export) if args.export else train(run_dir / "v4-deepseek", args.steps, [], "v4-deepseek")
+    work = run_dir / "serve-v4-deepseek"
+    target_dir = resolve_target_path("smollm2")
+    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
+    if not target_gguf.is_file():
+        log("converting the target (f32) with llama.cpp's converter")
+        llamacpp.convert(target_dir, target_gguf)
+    draft_gguf = write_export_gguf(export, work / "draft-v4-deepseek.gguf", target_gguf)
+    cfg, state, _ = read_export(export)
+    gamma, W = cfg.block_size, cfg.sliding_window
+    items = prompts(args.per_set, load_tokenizer(target_dir))
+    log(f"{len(items)} prompts, {args.max_new_tokens} new tokens, gamma {gamma}, window W={W} (GGUF n_swa {W + 1}), "
+        f"prompt lengths {[len(ids) for _, _, ids in items]}")
+    logs: list[str] = []
+    eng = engine_rounds(target_gguf, draft_gguf, items, 0.0, args.max_new_tokens, gamma, args.threads, logs)
+    eng_probs = [parse_probs(t) for t in logs]
+    mine_probs: list = []
+    with llamacpp_window():
+        mine = ours(export, items, 0.0, args.max_new_tokens, mine_probs)
+    a0, b0, f0 = compare(eng, mine, gamma)
+    gap = prob_gap(eng, eng_probs, mine, mine_probs, gamma)
+    log(f"T=0: tau engine {a0:.3f}, ours (llama.cpp's window) {b0:.3f}, rounds equal {f0:.3f}, drafted-token "
+        f"probability gap {gap:.4f}")
+    log(f"  accepted per round, first prompt: engine {[a for a, _ in eng[0]]} ours {[a for a, _ in mine[0]]}")
+    log(f"  first blocks, first prompt: engine {[b for _, b in eng[0][:3]]} ours {[b for _, b in mine[0][:3]]}")
+    log(f"  their probabilities: engine {eng_probs[0][:3]} "
+        f"ours {[[round(x, 3) for x in r] for r in mine_probs[0][:3]]}")
+    caught = 0
+    gcfg, tensors, facts = dsv4_draft_config(cfg), export_state(state, "gguf", cfg.num_layers), \
+        TargetFacts.from_gguf(target_gguf)
+    controls = {"window_off_by_one": replace(gcfg, sliding_window=W),  # n_swa = W: every slot loses one more key
+                "routed_scale_1": replace(gcfg, routed_scaling_factor=1.0)}  # expert_weights_scale left at default
+    for name, wrong in controls.items():
+        g = write_dsv4_gguf(work / f"control-{name}.gguf", tensors, wrong, facts)
+        logs = []
+        eng_c = engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma, args.threads, logs)
+        _, _, f_c = compare(eng_c, mine, gamma)
+        gap_c = prob_gap(eng_c, [parse_probs(t) for t in logs], mine, mine_probs, gamma)
+        hit = f_c < F_CAUGHT or gap_c > P_CAUGHT
+        caught += hit
+        log(f"control {name}: rounds equal {f_c:.3f}, probability gap {gap_c:.4f} -> {'caught' if hit else 'MISSED'}")
+    log(f"probability gap {gap:.4f}; controls caught {caught}/{len(controls)}")
+    # fp4: the routed experts in MXFP4, DeepSeek's checkpoint precision, quantized by gguf-py and written directly;
+    # not DeepSeek's route (a DeepseekV4ForCausalLM checkpoint through convert_hf_to_gguf.py --dspark)
+    g = write_dsv4_gguf(work / "draft-v4-deepseek-mxfp4-experts.gguf", tensors, gcfg, facts, mxfp4_experts=True)
+    fp4 = compare(engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma, args.threads), mine,
+                  gamma)[0]
+    log(f"T=0 with MXFP4 routed experts (gguf-py's quantizer, no QAT): tau engine {fp4:.3f} (f32: {a0:.3f})")
+    print(f"serve engine=llama.cpp preset=v4-deepseek tau_engine_T0={a0:.3f} tau_ours_T0={b0:.3f} "
+          f"agreement_T0={a0 / b0:.3f} rounds_equal_T0={f0:.3f} fp4_tau_T0={fp4:.3f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", default=str(REPO / "runs" / "serve-llamacpp"))
@@ -251,12 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="1 prompt per set, 32 tokens (a smoke run)")
+    p.add_argument("--preset", default="servable", choices=("servable", "v4-deepseek"),
+                   help="v4-deepseek: DeepSeek-V4's drafter block as llama.cpp's DSV4 GGUF (launch/configs/"
+                        "v4-deepseek.yaml; --export takes its export), T = 0 rounds only")
     args = p.parse_args(argv)
     if args.quick:
         args.per_set, args.max_new_tokens = 1, 32
     for b in ("llama-server", "llama-speculative-simple"):
         if not llamacpp.binary(b).is_file():
             sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
+    if args.preset == "v4-deepseek":
+        return serve_dsv4(args)
 
     from serving.engine_export import target_facts, write_engine_export
     from workers.target.model import load_tokenizer, resolve_target_path

@@ -2,13 +2,16 @@
 
     python launch/export_draft.py runs/tiny --format deepspec --out runs/tiny/export-deepspec
     python launch/export_draft.py runs/tiny/export --format speculators --out DIR [--target smollm2]
+    python launch/export_draft.py runs/v4-deepseek --format gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf
 
 EXPORT_OR_RUN_DIR is an exported draft (config.json + model.safetensors, what every run writes to <run>/export)
 or a run directory. --format deepspec: the flat Qwen3DSparkModel schema (vLLM, SGLang, TensorRT-LLM, and
 llama.cpp's convert_hf_to_gguf.py); speculators: vLLM's speculators schema. The target (its config.json: depth,
 context length, name) defaults to the one the draft was trained on. A draft no engine can serve (MoE, mHC, no q/k
 norm, a learned mask, the final post-norm state as context, ...) is refused with exit status 2 and one line saying
-why and which preset can be served; so is a missing export or target.
+why and which preset can be served; so is a missing export or target. --format gguf-dsv4: a v4-deepseek draft
+(arch dsv4, DeepSeek-V4's drafter block) as the GGUF llama.cpp serves with `--spec-type draft-dspark`; --out is
+the file, --target-gguf the target's GGUF (llama.cpp's converter writes it), whose tokenizer the draft carries.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ import json
 import sys
 from pathlib import Path
 
+GGUF_DSV4 = "gguf-dsv4"  # serving/dsv4_gguf_export.py: one .gguf file, not an export directory
+
 
 def main(argv: list[str] | None = None) -> int:
     from serving.engine_export import FORMATS, target_facts, write_engine_export
-    from workers.target.model import resolve_target_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("export", metavar="EXPORT_OR_RUN_DIR", help="an exported draft, or a run dir holding export/")
-    p.add_argument("--format", required=True, choices=FORMATS)
-    p.add_argument("--out", required=True, help="directory to write (replaced)")
+    p.add_argument("--format", required=True, choices=(*FORMATS, GGUF_DSV4))
+    p.add_argument("--out", required=True, help="directory to write (replaced); for gguf-dsv4 the .gguf file")
+    p.add_argument("--target-gguf", default=None, help="gguf-dsv4 only (required): the target's GGUF")
+    p.add_argument("--dtype", default="f32", choices=("f32", "f16"), help="gguf-dsv4 only: matrix precision")
     p.add_argument("--target", default=None, help="target name or model directory (default: the draft's target)")
     p.add_argument("--drop-confidence", action="store_true",
                    help="export without the confidence head (deepspec schema: a head without a Markov head)")
@@ -37,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (src / "config.json").is_file():
             raise FileNotFoundError(f"{args.export} is neither an exported draft nor a run directory holding export/")
+        if args.format == GGUF_DSV4:
+            if not args.target_gguf:
+                raise ValueError("--format gguf-dsv4 needs --target-gguf (the target's GGUF, for its tokenizer)")
+            from serving.dsv4_gguf_export import write_export_gguf
+
+            out = write_export_gguf(src, args.out, args.target_gguf, args.dtype)
+            print(f"wrote {args.format} export to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+            return 0
+        from workers.target.model import resolve_target_path
+
         target = args.target or json.loads((src / "config.json").read_text()).get("target")
         if not target:
             raise ValueError(f"{src}/config.json names no target; pass --target")

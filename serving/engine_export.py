@@ -46,6 +46,10 @@ def check_servable(cfg: DraftConfig, fmt: str, drop_confidence: bool = False) ->
     if fmt not in FORMATS:
         raise NotServable(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     why = None
+    if cfg.arch == "dsv4":  # servable, but as llama.cpp's DSV4 GGUF (serving/dsv4_gguf_export.py)
+        raise NotServable(f"cannot export this draft as {fmt}: draft.arch='dsv4' is DeepSeek-V4's own drafter block, "
+                          "which llama.cpp loads as a GGUF; write it with: python launch/export_draft.py RUN --format "
+                          "gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf")
     if cfg.arch != "dspark":
         why = (f"draft.arch={cfg.arch!r} is a baseline with no DSpark engine format; engines serve arch 'dspark' "
                f"drafts")
@@ -194,6 +198,11 @@ def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str
     """The end of a run: `<run_dir>/export-<format>` for every format the draft can be served in; one log line per
     format saying where it went or why not (nothing raised: our own export is already written)."""
     written: dict[str, Path] = {}
+    if json.loads((Path(export_dir) / "config.json").read_text()).get("draft", {}).get("arch") == "dsv4":
+        # llama.cpp's DSV4 GGUF needs the target's GGUF (its tokenizer), which a run does not have
+        log.info("arch dsv4 is served as llama.cpp's DSV4 GGUF: python launch/export_draft.py %s --format gguf-dsv4 "
+                 "--target-gguf TARGET.gguf --out %s", run_dir, Path(run_dir) / "draft-dsv4.gguf")
+        return written
     try:
         facts = target_facts(target_dir, target_name)
     except (FileNotFoundError, KeyError, ValueError) as e:

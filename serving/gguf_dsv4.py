@@ -258,8 +258,10 @@ def from_deepseek_names(state: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def write_dsv4_gguf(path: str | Path, tensors: dict[str, Any], cfg: DSV4DraftConfig, target: TargetFacts,
-                    dtype: str = "f32", name: str = "dspark-dsv4-draft") -> Path:
-    """Write the draft GGUF; ValueError naming the first missing, unknown or ill-shaped tensor or bad key."""
+                    dtype: str = "f32", name: str = "dspark-dsv4-draft", mxfp4_experts: bool = False) -> Path:
+    """Write the draft GGUF; ValueError naming the first missing, unknown or ill-shaped tensor or bad key.
+    `mxfp4_experts`: the routed experts quantized to MXFP4 by gguf-py (the precision DeepSeek's checkpoint stores
+    them in; its converter repacks already-quantized blocks instead)."""
     if dtype not in ("f32", "f16"):
         raise ValueError(f"DSV4 draft GGUF: dtype {dtype!r}; f32 or f16")
     check_config(cfg, target)
@@ -291,7 +293,11 @@ def write_dsv4_gguf(path: str | Path, tensors: dict[str, Any], cfg: DSV4DraftCon
     w = gguf.GGUFWriter(str(path), ARCH)
     _write_keys(w, cfg, target, name, has_conf="conf_proj.weight" in arrays)
     for key, a in arrays.items():
-        w.add_tensor(key, a)
+        if mxfp4_experts and key.endswith("_exps.weight"):
+            q = gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+            w.add_tensor(key, q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            w.add_tensor(key, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -161,6 +161,23 @@ def test_deepseek_2d_wo_a_is_accepted_and_conf_bias_optional(tmp_path):
     assert _read(tmp_path / "n.gguf")[0]["dflash.has_confidence_head"][0] is False
 
 
+def test_mxfp4_experts_are_quantized_and_nothing_else(tmp_path):
+    """mxfp4_experts: the routed experts as MXFP4 blocks (32 values, one shared exponent) within a 4-bit step of the
+    input; every other tensor unchanged (F32)."""
+    cfg, target = _cfg(), _tiny_target()
+    t = random_tensors(cfg, target.vocab_size)
+    write_dsv4_gguf(tmp_path / "q.gguf", t, cfg, target, mxfp4_experts=True)
+    r = gguf.GGUFReader(str(tmp_path / "q.gguf"))
+    for x in r.tensors:
+        if x.name.endswith("_exps.weight"):
+            assert x.tensor_type == gguf.GGMLQuantizationType.MXFP4, x.name
+            back = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type).reshape(t[x.name].shape)
+            # e2m1 has 1 bit of mantissa: an error up to a quarter of the block's largest magnitude
+            assert np.abs(back - t[x.name]).max() <= 0.25 * np.abs(t[x.name]).max(), x.name
+        else:
+            assert x.tensor_type == gguf.GGMLQuantizationType.F32, x.name
+
+
 def _as_deepseek(t: dict[str, np.ndarray], stages: int) -> dict[str, np.ndarray]:
     """The same draft as DeepSeek-V4 checkpoint tensors, named from conversion/deepseek.py's tables (read by hand):
     root tensors in the last stage, routed experts one tensor per expert, wo_a in DeepSeek's 2-D [G·O, H·E/G]."""
