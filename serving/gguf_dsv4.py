@@ -31,6 +31,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from draft_model.dsv4 import ROOT_NAMES, STAGE_NAMES
+
 ARCH = "dflash"
 SQRT_SOFTPLUS = 4  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS (src/llama-hparams.h:21); the only one allowed
 # targets whose graph also exposes the state after the last layer as target layer n_layer
@@ -201,27 +203,12 @@ def _array(name: str, x: Any) -> np.ndarray:
 
 
 # DeepSeek-V4's `mtp.<stage>.<rest>` names -> llama.cpp's, as its converter maps them (conversion/deepseek.py:813-876
-# layer names, :932-938 and :980-1002 the names kept at the root whatever the stage)
-_DEEPSEEK_ROOT = {
-    "main_proj.weight": "fc.weight", "main_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
-    "hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
-    "hc_head_scale": "output_hc_scale.weight", "markov_head.markov_w1.weight": "markov_w1.weight",
-    "markov_head.markov_w2.weight": "markov_w2.weight", "confidence_head.proj.weight": "conf_proj.weight",
-    "confidence_head.proj.bias": "conf_proj.bias",  # no DeepSeek checkpoint has one; llama.cpp's loader does
-}
-_DEEPSEEK_LAYER = {
-    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-    "hc_attn_fn": "hc_attn_fn.weight", "hc_attn_base": "hc_attn_base.weight", "hc_attn_scale": "hc_attn_scale.weight",
-    "hc_ffn_fn": "hc_ffn_fn.weight", "hc_ffn_base": "hc_ffn_base.weight", "hc_ffn_scale": "hc_ffn_scale.weight",
-    "attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
-    "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
-    "attn.wkv.weight": "attn_kv.weight", "attn.kv_norm.weight": "attn_kv_a_norm.weight",
-    "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
-    "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
-    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight", "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
-    "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
-}
-_DEEPSEEK_EXPERT = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
+# layer names, :932-938 and :980-1002 the names kept at the root whatever the stage): the inverse of the one name
+# table, draft_model/dsv4.py's (ours -> (GGUF, DeepSeek))
+_DEEPSEEK_ROOT = {ds: gg for gg, ds in ROOT_NAMES.values()}
+_DEEPSEEK_ROOT["confidence_head.proj.bias"] = "conf_proj.bias"  # no DeepSeek checkpoint has one; llama.cpp's does
+_DEEPSEEK_LAYER = {ds: gg for gg, ds in STAGE_NAMES.values() if "{e}" not in ds}
+_DEEPSEEK_EXPERT = {re.search(r"\.(w[123])\.", ds).group(1): gg for gg, ds in STAGE_NAMES.values() if "{e}" in ds}
 
 
 def from_deepseek_names(state: dict[str, Any]) -> dict[str, np.ndarray]:
