@@ -238,16 +238,24 @@ def parse_probs(log_text: str) -> list[list[float]]:
     return rounds
 
 
+def speculative_simple(target_gguf: Path, draft_gguf: Path, prompt: str, gamma: int, temperature: float,
+                       max_new: int, threads: int = 2, ctx: int = 4096, seed: int = 0
+                       ) -> subprocess.CompletedProcess:
+    """One llama-speculative-simple -v run of `draft_gguf` as the DSpark draft of `target_gguf` (its log: stdout +
+    stderr)."""
+    return subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
+                           str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
+                           "--temp", str(temperature), "--seed", str(seed), "-n", str(max_new), "-t", str(threads),
+                           "-c", str(ctx), "-v", "-p", prompt], capture_output=True, text=True, timeout=900)
+
+
 def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
                   threads: int, logs: list[str] | None = None) -> list[list[tuple[int, list[int]]]]:
     """(accepted, drafted block) of every round, per prompt, from llama-speculative-simple -v; each prompt's raw
     log is appended to `logs` when given."""
     out = []
     for i, (_, text, _) in enumerate(items):
-        res = subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
-                              str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
-                              "--temp", str(temperature), "--seed", str(i), "-n", str(max_new), "-t", str(threads),
-                              "-c", "4096", "-v", "-p", text], capture_output=True, text=True, timeout=900)
+        res = speculative_simple(target_gguf, draft_gguf, text, gamma, temperature, max_new, threads, seed=i)
         if res.returncode != 0:
             raise RuntimeError(f"llama-speculative-simple failed:\n{res.stderr[-3000:]}")
         out.append(parse_rounds(res.stdout + res.stderr))

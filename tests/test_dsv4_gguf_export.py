@@ -12,7 +12,6 @@ Run: python -m pytest tests/test_dsv4_gguf_export.py -q
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -105,7 +104,7 @@ def smollm2_gguf() -> Path:
 
 
 def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_path, smollm2_gguf):
-    from serve_llamacpp import parse_rounds
+    from serve_llamacpp import parse_rounds, speculative_simple
 
     export, state = _smollm2_export(tmp_path)
     out = tmp_path / "draft.gguf"
@@ -124,10 +123,7 @@ def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_pat
     assert np.array_equal(back["blk.0.attn_output_a.weight"].reshape(state["layers.0.attn.wo_a.weight"].shape),
                           state["layers.0.attn.wo_a.weight"].numpy())
 
-    res = subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(smollm2_gguf), "-md", str(out),
-                          "--spec-type", "draft-dspark", "--spec-draft-n-max", "5", "--temp", "0", "-n", "12", "-t",
-                          "2", "-c", "256", "-v", "-p", "def fibonacci(n):"], capture_output=True, text=True,
-                         timeout=300)
+    res = speculative_simple(smollm2_gguf, out, "def fibonacci(n):", 5, 0.0, 12, ctx=256)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-3000:]
     assert "DFlash extract_layers = [29]" in log

@@ -24,7 +24,6 @@ Run: python -m pytest tests/test_gguf_dsv4.py -q
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -280,17 +279,14 @@ def test_llama_cpp_loads_the_dsv4_draft_and_drafts_gamma_tokens(tmp_path, smollm
     """A random-weight DSV4 draft of SmolLM2's width (D 576) in llama-speculative-simple against the SmolLM2-135M
     f32 target: it must select the DSV4 graph and draft-dspark, and draft γ tokens in every round (acceptance is
     about 0 with random weights)."""
-    from serve_llamacpp import parse_rounds
+    from serve_llamacpp import parse_rounds, speculative_simple
 
-    spec = llamacpp.binary("llama-speculative-simple")
     target_gguf, target = smollm2_gguf
     assert (target.arch, target.hidden_size, target.num_layers, target.vocab_size) == ("llama", 576, 30, 49152)
     cfg = _cfg(576, num_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32,
                target_layers=(2, 15, 29))
     write_dsv4_gguf(tmp_path / "draft.gguf", random_tensors(cfg, target.vocab_size), cfg, target, dtype=dtype)
-    res = subprocess.run([str(spec), "-m", str(target_gguf), "-md", str(tmp_path / "draft.gguf"), "--spec-type",
-                          "draft-dspark", "--spec-draft-n-max", "5", "--temp", "0", "-n", "16", "-t", "2", "-c", "256",
-                          "-v", "-p", "def fibonacci(n):"], capture_output=True, text=True, timeout=300)
+    res = speculative_simple(target_gguf, tmp_path / "draft.gguf", "def fibonacci(n):", 5, 0.0, 16, ctx=256)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-3000:]
     assert "DFlash extract_layers = [2, 15, 29]" in log
