@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules.
 
-Run: python -m pytest -m "not slow" -q     (the whole default suite; this file only defines fixtures)
+Run: python -m pytest -m "not slow" -q -n 2 --dist loadfile   (the whole default suite, as the README runs it; this
+     file only defines fixtures: under xdist each worker process gets its own)
 """
 
 from __future__ import annotations
