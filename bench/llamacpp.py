@@ -74,10 +74,12 @@ def build(targets: tuple[str, ...] = BINARIES) -> Path:
     return out / "bin"
 
 
-def convert(model_dir: Path, out_file: Path, target_dir: Path | None = None, outtype: str = "f32") -> Path:
-    """llama.cpp's own converter on an HF-style directory (a draft with --target-model-dir, or a target)."""
+def convert(model_dir: Path, out_file: Path, target_dir: Path | None = None, outtype: str = "f32",
+            extra: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's own converter on an HF-style directory (a draft with --target-model-dir, or a target); `extra`:
+    more converter flags (`--dspark` for a DeepSeek-V4 checkpoint's drafter)."""
     cmd = [sys.executable, str(tree() / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
-           "--outfile", str(out_file)]
+           "--outfile", str(out_file), *extra]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
     env = {**os.environ, "PYTHONPATH": str(tree() / "gguf-py")}

@@ -31,8 +31,9 @@ drafted blocks, the accepted counts and every drafted token's probability as lla
 renormalises over the top 10). Two controls with one key value wrong (the window off by one, expert_weights_scale
 1) must move the rounds or the probabilities. Last line:
 serve engine=llama.cpp preset=v4-deepseek tau_engine_T0=A tau_ours_T0=B agreement_T0=A/B rounds_equal_T0=F
-fp4_tau_T0=na
-(fp4: DeepSeek's checkpoint route with MXFP4 experts, convert_hf_to_gguf.py --dspark, is not run yet.)
+fp4_tau_T0=P
+P: τ of the same draft through DeepSeek's own route, a DeepSeek-V4 checkpoint with MXFP4 routed experts
+(serving/deepseek_checkpoint.py) converted by llama.cpp's convert_hf_to_gguf.py --dspark (whose window is n_swa = W).
     python bench/serve_llamacpp.py --preset v4-deepseek --steps 60 --per-set 1 --max-new-tokens 32
 """
 
@@ -242,11 +243,12 @@ def speculative_simple(target_gguf: Path, draft_gguf: Path, prompt: str, gamma: 
                        max_new: int, threads: int = 2, ctx: int = 4096, seed: int = 0
                        ) -> subprocess.CompletedProcess:
     """One llama-speculative-simple -v run of `draft_gguf` as the DSpark draft of `target_gguf` (its log: stdout +
-    stderr)."""
+    stderr; a token piece that is part of a UTF-8 character is printed as raw bytes, read as U+FFFD)."""
     return subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
                            str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
                            "--temp", str(temperature), "--seed", str(seed), "-n", str(max_new), "-t", str(threads),
-                           "-c", str(ctx), "-v", "-p", prompt], capture_output=True, text=True, timeout=900)
+                           "-c", str(ctx), "-v", "-p", prompt], capture_output=True, text=True, errors="replace",
+                          timeout=900)
 
 
 def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
@@ -354,7 +356,9 @@ def serve_dsv4(args: argparse.Namespace) -> int:
 
     from draft_model.dsv4 import export_state
     from pipeline.export import read_export
+    from serving.deepseek_checkpoint import write_deepseek_checkpoint
     from serving.dsv4_gguf_export import dsv4_draft_config, write_export_gguf
+    from serving.engine_export import target_facts
     from serving.gguf_dsv4 import TargetFacts, write_dsv4_gguf
     from workers.target.model import load_tokenizer, resolve_target_path
 
@@ -401,12 +405,20 @@ def serve_dsv4(args: argparse.Namespace) -> int:
         caught += hit
         log(f"control {name}: rounds equal {f_c:.3f}, probability gap {gap_c:.4f} -> {'caught' if hit else 'MISSED'}")
     log(f"probability gap {gap:.4f}; controls caught {caught}/{len(controls)}")
-    # fp4: the routed experts in MXFP4, DeepSeek's checkpoint precision, quantized by gguf-py and written directly;
-    # not DeepSeek's route (a DeepseekV4ForCausalLM checkpoint through convert_hf_to_gguf.py --dspark)
+    # fp4, DeepSeek's route: the draft as a DeepSeek-V4 checkpoint (routed experts in MXFP4, as DeepSeek ships
+    # them; serving/deepseek_checkpoint.py) converted by llama.cpp's own convert_hf_to_gguf.py --dspark
+    ckpt = write_deepseek_checkpoint(export, work / "deepseek-v4-checkpoint",
+                                     target_facts(target_dir, "smollm2")["num_hidden_layers"])
+    routed = llamacpp.convert(ckpt, work / "draft-v4-deepseek-converted.gguf", target_dir, extra=("--dspark",))
+    eng_fp4 = engine_rounds(target_gguf, routed, items, 0.0, args.max_new_tokens, gamma, args.threads)
+    fp4, _, f_fp4 = compare(eng_fp4, mine, gamma)
+    # the same MXFP4 experts with our GGUF's window (n_swa = W + 1): what FP4 alone does
     g = write_dsv4_gguf(work / "draft-v4-deepseek-mxfp4-experts.gguf", tensors, gcfg, facts, mxfp4_experts=True)
-    fp4 = compare(engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma, args.threads), mine,
-                  gamma)[0]
-    log(f"T=0 with MXFP4 routed experts (gguf-py's quantizer, no QAT): tau engine {fp4:.3f} (f32: {a0:.3f})")
+    fp4_direct, _, f_direct = compare(engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma,
+                                                    args.threads), mine, gamma)
+    log(f"T=0, DeepSeek's route (checkpoint with MXFP4 experts -> convert_hf_to_gguf.py --dspark, n_swa = W): tau "
+        f"engine {fp4:.3f}, rounds equal to our f32 draft {f_fp4:.3f}; the same experts in our GGUF (n_swa = W + 1): "
+        f"tau {fp4_direct:.3f}, rounds equal {f_direct:.3f}; f32: tau {a0:.3f}")
     print(f"serve engine=llama.cpp preset=v4-deepseek tau_engine_T0={a0:.3f} tau_ours_T0={b0:.3f} "
           f"agreement_T0={a0 / b0:.3f} rounds_equal_T0={f0:.3f} fp4_tau_T0={fp4:.3f}")
     return 0

@@ -3,6 +3,7 @@
     python launch/export_draft.py runs/tiny --format deepspec --out runs/tiny/export-deepspec
     python launch/export_draft.py runs/tiny/export --format speculators --out DIR [--target smollm2]
     python launch/export_draft.py runs/v4-deepseek --format gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf
+    python launch/export_draft.py runs/v4-deepseek --format deepseek-v4 --out DIR
 
 EXPORT_OR_RUN_DIR is an exported draft (config.json + model.safetensors, what every run writes to <run>/export)
 or a run directory. --format deepspec: the flat Qwen3DSparkModel schema (vLLM, SGLang, TensorRT-LLM, and
@@ -12,6 +13,9 @@ norm, a learned mask, the final post-norm state as context, ...) is refused with
 why and which preset can be served; so is a missing export or target. --format gguf-dsv4: a v4-deepseek draft
 (arch dsv4, DeepSeek-V4's drafter block) as the GGUF llama.cpp serves with `--spec-type draft-dspark`; --out is
 the file, --target-gguf the target's GGUF (llama.cpp's converter writes it), whose tokenizer the draft carries.
+--format deepseek-v4: the same draft in the DeepSeek-V4 checkpoint layout (config.json of a DeepseekV4ForCausalLM
+with the dspark_* keys, the mtp.<stage>.* tensors, routed experts in MXFP4), what a DeepSeek-V4 user merges into
+their checkpoint and what llama.cpp's `convert_hf_to_gguf.py DIR --dspark --target-model-dir TARGET` converts.
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ GGUF_DSV4 = "gguf-dsv4"  # serving/dsv4_gguf_export.py: one .gguf file, not an e
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.engine_export import FORMATS, target_facts, write_engine_export
+    from serving.engine_export import DEEPSEEK_V4, FORMATS, target_facts, write_engine_export
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("export", metavar="EXPORT_OR_RUN_DIR", help="an exported draft, or a run dir holding export/")
-    p.add_argument("--format", required=True, choices=(*FORMATS, GGUF_DSV4))
+    p.add_argument("--format", required=True, choices=(*FORMATS, GGUF_DSV4, DEEPSEEK_V4))
     p.add_argument("--out", required=True, help="directory to write (replaced); for gguf-dsv4 the .gguf file")
     p.add_argument("--target-gguf", default=None, help="gguf-dsv4 only (required): the target's GGUF")
     p.add_argument("--dtype", default="f32", choices=("f32", "f16"), help="gguf-dsv4 only: matrix precision")
@@ -56,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         target = args.target or json.loads((src / "config.json").read_text()).get("target")
         if not target:
             raise ValueError(f"{src}/config.json names no target; pass --target")
-        out = write_engine_export(src, args.format, args.out, target_facts(resolve_target_path(target), target),
-                                  args.drop_confidence)
+        facts = target_facts(resolve_target_path(target), target)
+        if args.format == DEEPSEEK_V4:
+            from serving.deepseek_checkpoint import write_deepseek_checkpoint
+
+            out = write_deepseek_checkpoint(src, args.out, facts["num_hidden_layers"])
+        else:
+            out = write_engine_export(src, args.format, args.out, facts, args.drop_confidence)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from draft_model.config import FINAL_HIDDEN, DraftConfig
 from pipeline.export import read_export, write_export_dir
 
 FORMATS = ("deepspec", "speculators")
+DEEPSEEK_V4 = "deepseek-v4"  # arch dsv4's checkpoint layout (serving/deepseek_checkpoint.py)
 STS_FILE = "sts_calibration.json"
 SERVABLE_PRESETS = "dspark-markov (Markov head + confidence) or dflash (no sequential head)"
 
@@ -199,6 +200,16 @@ def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str
     format saying where it went or why not (nothing raised: our own export is already written)."""
     written: dict[str, Path] = {}
     if json.loads((Path(export_dir) / "config.json").read_text()).get("draft", {}).get("arch") == "dsv4":
+        from serving.deepseek_checkpoint import write_deepseek_checkpoint
+
+        try:
+            depth = target_facts(target_dir, target_name)["num_hidden_layers"]
+            written[DEEPSEEK_V4] = write_deepseek_checkpoint(export_dir, Path(run_dir) / f"export-{DEEPSEEK_V4}",
+                                                             depth)
+            log.info("exported the draft as a DeepSeek-V4 checkpoint (mtp.* tensors, MXFP4 routed experts) to %s",
+                     written[DEEPSEEK_V4])
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            log.info("no %s export: %s", DEEPSEEK_V4, e)
         # llama.cpp's DSV4 GGUF needs the target's GGUF (its tokenizer), which a run does not have
         log.info("arch dsv4 is served as llama.cpp's DSV4 GGUF: python launch/export_draft.py %s --format gguf-dsv4 "
                  "--target-gguf TARGET.gguf --out %s", run_dir, Path(run_dir) / "draft-dsv4.gguf")

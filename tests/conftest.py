@@ -25,3 +25,33 @@ def local_ray(request: pytest.FixtureRequest):
              runtime_env=worker_runtime_env())
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def llama_cpp_tree():
+    """llama.cpp b11434's source tree (its convert_hf_to_gguf.py and gguf-py; no C++ build needed): skips the test
+    when it was never fetched (python bench/llamacpp.py fetch, which .ci/run does), fails when DSPARK_LLAMA_CPP names
+    a folder that does not hold it."""
+    import os
+
+    import llamacpp
+
+    if not (llamacpp.tree() / "convert_hf_to_gguf.py").is_file():
+        if os.environ.get("DSPARK_LLAMA_CPP"):
+            pytest.fail(f"DSPARK_LLAMA_CPP is set but {llamacpp.tree()} holds no llama.cpp tree")
+        pytest.skip("llama.cpp source tree not fetched (python bench/llamacpp.py fetch)")
+    return llamacpp.tree()
+
+
+@pytest.fixture
+def export_cli():
+    """launch/export_draft.py's main(argv) -> exit status, run in this process (a subprocess would import torch
+    again per call; launch/ is a folder of scripts, loaded by path)."""
+    import importlib.util
+
+    from launch_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("export_draft", REPO / "launch" / "export_draft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main

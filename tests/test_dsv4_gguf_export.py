@@ -32,16 +32,6 @@ from serving.engine_export import NotServable, check_servable
 V_SMOL, D_SMOL = 49152, 576
 
 
-def export_main(argv: list[str]) -> int:
-    """launch/export_draft.py's main, in this process (a subprocess would import torch again per call)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("export_draft", REPO / "launch" / "export_draft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
-
-
 def _odd_cfg() -> DraftConfig:
     """A resolved dsv4 config whose every mapped value is distinct from the others and from the defaults."""
     base = load_config(REPO / "launch" / "configs" / "v4-deepseek.yaml").draft
@@ -103,12 +93,12 @@ def smollm2_gguf() -> Path:
     return target_gguf
 
 
-def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_path, smollm2_gguf):
+def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_path, smollm2_gguf, export_cli):
     from serve_llamacpp import parse_rounds, speculative_simple
 
     export, state = _smollm2_export(tmp_path)
     out = tmp_path / "draft.gguf"
-    assert export_main([str(export.parent), "--format", "gguf-dsv4", "--target-gguf", str(smollm2_gguf),
+    assert export_cli([str(export.parent), "--format", "gguf-dsv4", "--target-gguf", str(smollm2_gguf),
                         "--out", str(out)]) == 0
     r = gguf.GGUFReader(str(out))
     kv = {k: f.contents() for k, f in r.fields.items()}
@@ -134,7 +124,7 @@ def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_pat
     assert len(blocks) >= 2 and all(len(b) == 5 and all(0 <= t < V_SMOL for t in b) for b in blocks), blocks
 
 
-def test_cli_refusals_are_one_error_line(tmp_path, capsys):
+def test_cli_refusals_are_one_error_line(tmp_path, capsys, export_cli):
     export, _ = _smollm2_export(tmp_path)
     args = [str(export), "--format", "gguf-dsv4", "--out", str(tmp_path / "d.gguf")]
     cases = [(args, "needs --target-gguf"),
@@ -147,13 +137,13 @@ def test_cli_refusals_are_one_error_line(tmp_path, capsys):
     (tmp_path / "dspark" / "model.safetensors").write_bytes((export / "model.safetensors").read_bytes())
     cases.append(([str(tmp_path / "dspark"), *args[1:], "--target-gguf", "x.gguf"], "draft.arch='dspark'"))
     for argv, match in cases:
-        assert export_main(argv) == 2
+        assert export_cli(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and match in err, err
     assert not (tmp_path / "d.gguf").exists()
 
 
-def test_end_of_run_names_the_gguf_command_once(tmp_path, caplog):
+def test_end_of_run_without_a_target_directory_says_why_and_names_the_gguf_command(tmp_path, caplog):
     import logging
 
     from serving.engine_export import export_servable
@@ -162,5 +152,6 @@ def test_end_of_run_names_the_gguf_command_once(tmp_path, caplog):
     log = logging.getLogger("t.dsv4")
     with caplog.at_level(logging.INFO, logger="t.dsv4"):
         written = export_servable(export, tmp_path / "run", tmp_path / "no-target", "smollm2", log)
-    assert written == {} and len(caplog.records) == 1
-    assert f"launch/export_draft.py {tmp_path / 'run'} --format gguf-dsv4" in caplog.text
+    assert written == {} and len(caplog.records) == 2  # with a target: tests/test_deepseek_checkpoint.py
+    assert caplog.records[0].message.startswith("no deepseek-v4 export: target ") and "no config.json" in caplog.text
+    assert f"launch/export_draft.py {tmp_path / 'run'} --format gguf-dsv4" in caplog.records[1].message

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -160,18 +159,9 @@ def test_cli_refuses_an_unservable_draft_and_a_missing_export_with_exit_2(tmp_pa
     assert res.returncode == 2 and "neither an exported draft nor a run directory" in res.stderr
 
 
-def _llama_cpp_tree() -> Path:
-    if not (llamacpp.tree() / "convert_hf_to_gguf.py").is_file():
-        if os.environ.get("DSPARK_LLAMA_CPP"):
-            pytest.fail(f"DSPARK_LLAMA_CPP is set but {llamacpp.tree()} holds no llama.cpp tree")
-        pytest.skip("llama.cpp source tree not fetched (python bench/llamacpp.py fetch)")
-    return llamacpp.tree()
-
-
-def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path):
+def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path, llama_cpp_tree):
     """A tiny servable draft on SmolLM2's shape, through llama.cpp's own convert_hf_to_gguf.py: the GGUF says what
     the draft is (no C++ build needed)."""
-    _llama_cpp_tree()
     from workers.target.model import resolve_target_path
 
     target_dir = resolve_target_path("smollm2")
