@@ -14,6 +14,8 @@ Besides the equal-depth drafters, three DSpark variants:
 - dspark-legacy: dspark without the engines' forms (no q/k norm, a learned mask vector), at the same budget;
 - dspark-real: trained on real text (the embedded stdlib corpus, one pass of fresh rows) instead of the target's
   regenerated replies, to weigh what the data stage's CPU time buys (the cost table: τ per CPU-hour).
+And the MoE + mHC production drafts at the same budget: v4 (our modules) and v4-deepseek (DeepSeek-V4's drafter
+block, which engines serve), with the same MoE (tiny.yaml's) and context layers as dspark.
 Printed: τ per dataset, end-to-end decoding speed-up over the target alone (wall time of whole decodes: target
 forwards, the draft's own time, bookkeeping), the latency-matched depth, and the cost table.
 Every stage is cached in --work-dir, so a re-run resumes where it stopped. The last line is
@@ -22,6 +24,7 @@ Every stage is cached in --work-dir, so a re-run resumes where it stopped. The l
 Run: python bench/drafters.py --scale cpu      (every drafter by default: about 2.5 hours on 2 cores from nothing,
                                                   of which the data stage is 25-40 min and one T 17 min)
      python bench/drafters.py --scale cpu --drafters dspark dflash eagle3   (the original three only)
+     python bench/drafters.py --scale cpu --drafters dspark v4 v4-deepseek   (what the engine-servable V4 block costs)
      python bench/drafters.py --scale cpu --work-dir runs/drafters-long --steps 300 --drafters dspark dflash
      python bench/drafters.py --scale gpu --time-budget 480   (one GPU: larger data, longer training)
 The cpu scale trains through Ray + DeepSpeed (2 ZeRO-2 trainers); the gpu scale through the single-process trainer
@@ -84,6 +87,13 @@ DRAFTERS = {
     # engines' forms cost or buy at equal budget (docs/serving.md, "Engine exports")
     "dspark-legacy": ["draft.preset=dspark-markov", "draft.target_layers=[1,27]", "draft.head_rank=128",
                       "draft.qk_norm=false", "draft.mask=learned"],
+    # the production MoE + mHC draft: `v4`, our own modules (research; no engine serves them), and `v4-deepseek`,
+    # DeepSeek-V4's drafter block that llama.cpp and vLLM serve (docs/dsv4.md); both with tiny.yaml's MoE (4 experts
+    # of 256, top 2, one shared) and DSpark's context layers: what the engine-compatible form costs or gains
+    "v4": ["draft.preset=v4", "draft.target_layers=[1,27]", "draft.head_rank=128"],
+    "v4-deepseek": ["draft.preset=v4-deepseek", "draft.target_layers=[1,27]", "draft.head_rank=128",
+                    "draft.num_kv_heads=1", "draft.mhc_streams=4", "draft.dsv4.q_lora_rank=128",
+                    "draft.dsv4.rope_head_dim=32", "draft.dsv4.o_groups=3", "draft.dsv4.o_lora_rank=128"],
 }
 LATENCY_DEPTHS = range(1, 13)  # DSpark depths timed against Eagle3 for dspark-lat
 
