@@ -107,8 +107,13 @@ def test_bench_drafter_entries_build_valid_configs(scale, tmp_path):
                                                                                                   [-1], False)
     assert (lm.arch, lm.block_size, lm.num_layers, lm.target_layers) == ("draft-lm", bench.GAMMA,
                                                                           s["draft_layers"], [-1])
-    for name, cfg in cfgs.items():  # same attention geometry for every drafter
-        assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64), name
+    for name, cfg in cfgs.items():  # same attention geometry for every drafter (DeepSeek-V4's: one K = V head)
+        assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 1 if name == "v4-deepseek" else 3, 64), name
+    v4, ds = cfgs["v4"], cfgs["v4-deepseek"]  # the production drafts: the same MoE, dspark's context layers
+    assert (v4.arch, ds.arch, ds.mhc_streams, ds.moe.score_func) == ("dspark", "dsv4", 4, "sqrtsoftplus")
+    assert [(c.moe.num_experts, c.moe.top_k, c.moe.expert_intermediate_size, c.moe.num_shared_experts)
+            for c in (v4, ds)] == [(4, 2, 256, 1)] * 2
+    assert v4.target_layers == ds.target_layers == cfgs["dspark"].target_layers
     # real text: the embedded corpus, one pass of fresh rows; the latency-matched depth comes in as an extra override
     real = bench.run_config(tmp_path / "data", s, "dspark-real", tmp_path / "r", 3).data
     assert (real.source, real.num_samples) == ("default", 3 * s["samples_per_batch"] * s["trainers"])
