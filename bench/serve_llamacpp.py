@@ -35,6 +35,9 @@ fp4_tau_T0=P
 P: τ of the same draft through DeepSeek's own route, a DeepSeek-V4 checkpoint with MXFP4 routed experts
 (serving/deepseek_checkpoint.py) converted by llama.cpp's convert_hf_to_gguf.py --dspark (whose window is n_swa = W).
     python bench/serve_llamacpp.py --preset v4-deepseek --steps 60 --per-set 1 --max-new-tokens 32
+--target tiny-qwen3-moe: the same against the tiny random Qwen3-MoE target (an MoE target llama.cpp converts and
+serves: arch qwen3moe), the draft trained on it (its hidden size, 64; context = the input of its last layer); the
+last line then names the target after the preset.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ REPO = Path(__file__).resolve().parents[1]
 EVENT = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(-?\d+)|accepted (\d+)/(\d+) draft tokens")
 SETS = ["humaneval", "gsm8k", "mtbench"]
 F_CAUGHT = 0.95  # a control is caught when fewer rounds than this agree
+# --preset v4-deepseek --target: the draft's settings for each target (its hidden size is the target's; llama.cpp
+# exposes layer inputs 0..L-1 of LLaMA and Qwen3-MoE targets: the deepest is L - 1)
+TARGET_OVERRIDES = {"smollm2": [], "tiny-qwen3-moe": ["target.path=tiny-qwen3-moe", "draft.target_layers=[2]"]}
 P_CAUGHT = 2e-3  # ... or (v4-deepseek) a drafted token's probability differs by more (llama.cpp prints 3 decimals)
 
 
@@ -184,7 +190,7 @@ class GreedyWithProbs(ArgmaxDraft):
         return replace(prop, probs_KV=one_hot)
 
 
-def ours(export: Path, items, temperature: float, max_new: int, probs: list | None = None
+def ours(export: Path, items, temperature: float, max_new: int, probs: list | None = None, target_name: str = "smollm2"
          ) -> list[list[tuple[int, list[int]]]]:
     """(accepted count, drafted block) of every round, per prompt, from our evaluator. With `probs` (T = 0 only),
     the drafted tokens' probabilities as llama.cpp prints them are appended to it, one list of rounds per prompt."""
@@ -194,7 +200,7 @@ def ours(export: Path, items, temperature: float, max_new: int, probs: list | No
     from evaluation.session import RoundLog, generate
     from workers.target.model import load_target, resolve_target_path
 
-    target, tok = load_target(resolve_target_path("smollm2"), dtype=torch.float32)
+    target, tok = load_target(resolve_target_path(target_name), dtype=torch.float32)
     inner = load_drafter(export, target, calibrated=False)
     drafter = GreedyWithProbs(inner) if probs is not None else ArgmaxDraft(inner)
     eos = {tok.eos_token_id}
@@ -362,11 +368,13 @@ def serve_dsv4(args: argparse.Namespace) -> int:
     from serving.gguf_dsv4 import TargetFacts, write_dsv4_gguf
     from workers.target.model import load_tokenizer, resolve_target_path
 
-    run_dir = Path(args.run_dir)
-    export = Path(args.export) if args.export else train(run_dir / "v4-deepseek", args.steps, [], "v4-deepseek")
-    work = run_dir / "serve-v4-deepseek"
-    target_dir = resolve_target_path("smollm2")
-    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
+    run_dir, name = Path(args.run_dir), args.target
+    suffix = "" if name == "smollm2" else f"-{name}"
+    export = Path(args.export) if args.export else train(run_dir / f"v4-deepseek{suffix}", args.steps,
+                                                          TARGET_OVERRIDES[name], "v4-deepseek")
+    work = run_dir / f"serve-v4-deepseek{suffix}"
+    target_dir = resolve_target_path(name)
+    target_gguf = llamacpp.home() / ("smollm2-135m-f32.gguf" if name == "smollm2" else f"{name}-seed0-f32.gguf")
     if not target_gguf.is_file():
         log("converting the target (f32) with llama.cpp's converter")
         llamacpp.convert(target_dir, target_gguf)
@@ -381,7 +389,7 @@ def serve_dsv4(args: argparse.Namespace) -> int:
     eng_probs = [parse_probs(t) for t in logs]
     mine_probs: list = []
     with llamacpp_window():
-        mine = ours(export, items, 0.0, args.max_new_tokens, mine_probs)
+        mine = ours(export, items, 0.0, args.max_new_tokens, mine_probs, name)
     a0, b0, f0 = compare(eng, mine, gamma)
     gap = prob_gap(eng, eng_probs, mine, mine_probs, gamma)
     log(f"T=0: tau engine {a0:.3f}, ours (llama.cpp's window) {b0:.3f}, rounds equal {f0:.3f}, drafted-token "
@@ -395,20 +403,21 @@ def serve_dsv4(args: argparse.Namespace) -> int:
         TargetFacts.from_gguf(target_gguf)
     controls = {"window_off_by_one": replace(gcfg, sliding_window=W),  # n_swa = W: every slot loses one more key
                 "routed_scale_1": replace(gcfg, routed_scaling_factor=1.0)}  # expert_weights_scale left at default
-    for name, wrong in controls.items():
-        g = write_dsv4_gguf(work / f"control-{name}.gguf", tensors, wrong, facts)
+    for control, wrong in controls.items():
+        g = write_dsv4_gguf(work / f"control-{control}.gguf", tensors, wrong, facts)
         logs = []
         eng_c = engine_rounds(target_gguf, g, items, 0.0, args.max_new_tokens, gamma, args.threads, logs)
         _, _, f_c = compare(eng_c, mine, gamma)
         gap_c = prob_gap(eng_c, [parse_probs(t) for t in logs], mine, mine_probs, gamma)
         hit = f_c < F_CAUGHT or gap_c > P_CAUGHT
         caught += hit
-        log(f"control {name}: rounds equal {f_c:.3f}, probability gap {gap_c:.4f} -> {'caught' if hit else 'MISSED'}")
+        log(f"control {control}: rounds equal {f_c:.3f}, probability gap {gap_c:.4f} -> "
+            f"{'caught' if hit else 'MISSED'}")
     log(f"probability gap {gap:.4f}; controls caught {caught}/{len(controls)}")
     # fp4, DeepSeek's route: the draft as a DeepSeek-V4 checkpoint (routed experts in MXFP4, as DeepSeek ships
     # them; serving/deepseek_checkpoint.py) converted by llama.cpp's own convert_hf_to_gguf.py --dspark
     ckpt = write_deepseek_checkpoint(export, work / "deepseek-v4-checkpoint",
-                                     target_facts(target_dir, "smollm2")["num_hidden_layers"])
+                                     target_facts(target_dir, name)["num_hidden_layers"])
     routed = llamacpp.convert(ckpt, work / "draft-v4-deepseek-converted.gguf", target_dir, extra=("--dspark",))
     eng_fp4 = engine_rounds(target_gguf, routed, items, 0.0, args.max_new_tokens, gamma, args.threads)
     fp4, _, f_fp4 = compare(eng_fp4, mine, gamma)
@@ -419,7 +428,8 @@ def serve_dsv4(args: argparse.Namespace) -> int:
     log(f"T=0, DeepSeek's route (checkpoint with MXFP4 experts -> convert_hf_to_gguf.py --dspark, n_swa = W): tau "
         f"engine {fp4:.3f}, rounds equal to our f32 draft {f_fp4:.3f}; the same experts in our GGUF (n_swa = W + 1): "
         f"tau {fp4_direct:.3f}, rounds equal {f_direct:.3f}; f32: tau {a0:.3f}")
-    print(f"serve engine=llama.cpp preset=v4-deepseek tau_engine_T0={a0:.3f} tau_ours_T0={b0:.3f} "
+    print(f"serve engine=llama.cpp preset=v4-deepseek{'' if name == 'smollm2' else ' target=' + name} "
+          f"tau_engine_T0={a0:.3f} tau_ours_T0={b0:.3f} "
           f"agreement_T0={a0 / b0:.3f} rounds_equal_T0={f0:.3f} fp4_tau_T0={fp4:.3f}")
     return 0
 
@@ -435,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="1 prompt per set, 32 tokens (a smoke run)")
+    p.add_argument("--target", default="smollm2", choices=tuple(TARGET_OVERRIDES),
+                   help="v4-deepseek only: the target, SmolLM2-135M or the tiny random Qwen3-MoE target (hidden 64, "
+                        "3 layers; llama.cpp's qwen3moe), which llama.cpp converts and serves as well")
     p.add_argument("--preset", default="servable", choices=("servable", "v4-deepseek"),
                    help="v4-deepseek: DeepSeek-V4's drafter block as llama.cpp's DSV4 GGUF (launch/configs/"
                         "v4-deepseek.yaml; --export takes its export), T = 0 rounds only")
@@ -446,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
     if args.preset == "v4-deepseek":
         return serve_dsv4(args)
+    if args.target != "smollm2":
+        sys.exit("error: --target applies to --preset v4-deepseek; the servable preset is served on smollm2")
 
     from serving.engine_export import target_facts, write_engine_export
     from workers.target.model import load_tokenizer, resolve_target_path

@@ -3,7 +3,7 @@
     python launch/export_draft.py runs/tiny --format deepspec --out runs/tiny/export-deepspec
     python launch/export_draft.py runs/tiny/export --format speculators --out DIR [--target smollm2]
     python launch/export_draft.py runs/v4-deepseek --format gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf
-    python launch/export_draft.py runs/v4-deepseek --format deepseek-v4 --out DIR
+    python launch/export_draft.py runs/v4-deepseek --format deepseek-v4 --out DIR [--into DEEPSEEK_V4_CHECKPOINT]
 
 EXPORT_OR_RUN_DIR is an exported draft (config.json + model.safetensors, what every run writes to <run>/export)
 or a run directory. --format deepspec: the flat Qwen3DSparkModel schema (vLLM, SGLang, TensorRT-LLM, and
@@ -15,7 +15,9 @@ why and which preset can be served; so is a missing export or target. --format g
 the file, --target-gguf the target's GGUF (llama.cpp's converter writes it), whose tokenizer the draft carries.
 --format deepseek-v4: the same draft in the DeepSeek-V4 checkpoint layout (config.json of a DeepseekV4ForCausalLM
 with the dspark_* keys, the mtp.<stage>.* tensors, routed experts in MXFP4), what a DeepSeek-V4 user merges into
-their checkpoint and what llama.cpp's `convert_hf_to_gguf.py DIR --dspark --target-model-dir TARGET` converts.
+their checkpoint and what llama.cpp's `convert_hf_to_gguf.py DIR --dspark --target-model-dir TARGET` converts;
+with --into, DIR is that checkpoint with the drafter added (its files linked, its config plus the dspark_* keys, the
+drafter's tensors in one more shard), refused when a hyper-parameter the drafter shares with it differs.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory to write (replaced); for gguf-dsv4 the .gguf file")
     p.add_argument("--target-gguf", default=None, help="gguf-dsv4 only (required): the target's GGUF")
     p.add_argument("--dtype", default="f32", choices=("f32", "f16"), help="gguf-dsv4 only: matrix precision")
+    p.add_argument("--into", default=None, help="deepseek-v4 only: a DeepseekV4ForCausalLM checkpoint to add the "
+                                                "drafter to (written as --out; the original is not changed)")
     p.add_argument("--target", default=None, help="target name or model directory (default: the draft's target)")
     p.add_argument("--drop-confidence", action="store_true",
                    help="export without the confidence head (deepspec schema: a head without a Markov head)")
@@ -60,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         target = args.target or json.loads((src / "config.json").read_text()).get("target")
         if not target:
             raise ValueError(f"{src}/config.json names no target; pass --target")
+        if args.format == DEEPSEEK_V4 and args.into:
+            from serving.deepseek_checkpoint import merge_into_checkpoint
+
+            out = merge_into_checkpoint(src, args.into, args.out)
+            print(f"wrote {args.format} export to {out}: {args.into} with the drafter added")
+            return 0
+        if args.into:
+            raise ValueError("--into applies to --format deepseek-v4")
         facts = target_facts(resolve_target_path(target), target)
         if args.format == DEEPSEEK_V4:
             from serving.deepseek_checkpoint import write_deepseek_checkpoint

@@ -134,12 +134,85 @@ def write_deepseek_checkpoint(export_dir: str | Path, out_dir: str | Path, num_h
     cfg, state, _ = read_export(export_dir)
     config = deepseek_config(cfg, num_hidden_layers)
     tensors = deepseek_tensors(state, cfg.num_layers)
-    out = Path(out_dir)
+
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return _replace_dir(Path(out_dir), fill)
+
+
+# the hyper-parameters a drafter shares with the DeepSeek-V4 checkpoint it joins: engines build the drafter's
+# stages from the target's config (llama.cpp's converter writes them as the drafter GGUF's keys)
+SHARED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "rms_norm_eps",
+               "rope_theta", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+               "scoring_func", "routed_scaling_factor", "norm_topk_prob", "swiglu_limit", "hc_mult",
+               "hc_sinkhorn_iters", "hc_eps")
+INDEX = "model.safetensors.index.json"
+DRAFTER_FILE = "model-dspark-drafter.safetensors"
+
+
+def merge_into_checkpoint(export_dir: str | Path, target_dir: str | Path, out_dir: str | Path) -> Path:
+    """The DeepSeek-V4 checkpoint in `target_dir` with the drafter of `export_dir` added, as `out_dir`: the target's
+    files linked (not copied), its config.json plus the `dspark_*` keys, the drafter's `mtp.<stage>.*` tensors in
+    one more shard listed in the index. ValueError naming the first shared hyper-parameter the drafter does not
+    have (engines build its stages from the target's config), or a target that already holds `mtp.*` tensors."""
+    cfg, state, _ = read_export(export_dir)
+    src = Path(target_dir)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} has no config.json: not a model checkpoint directory")
+    target = json.loads((src / "config.json").read_text())
+    if "DeepseekV4ForCausalLM" not in (target.get("architectures") or []):
+        raise ValueError(f"{src}/config.json: architectures {target.get('architectures')}; the drafter joins a "
+                         "DeepseekV4ForCausalLM checkpoint (write a standalone one with --format deepseek-v4)")
+    ours = deepseek_config(cfg, target["num_hidden_layers"])
+    for k in cfg.target_layers:  # a DeepSeek-V4 target exposes layer inputs 0..L-1 and its final state, L
+        if not 0 <= k <= target["num_hidden_layers"]:
+            raise ValueError(f"the drafter reads target layer {k}; {src} has {target['num_hidden_layers']} layers "
+                             "(it was trained for another target)")
+    for key in SHARED_KEYS:
+        theirs = target.get(key)
+        same = theirs == ours[key] or (isinstance(theirs, float) and isinstance(ours[key], float)
+                                       and abs(theirs - ours[key]) <= 1e-9 * max(1.0, abs(theirs)))
+        if not same:
+            raise ValueError(f"the drafter's {key} is {ours[key]!r}, the target's config.json says {theirs!r}: "
+                             "engines build the drafter from the target's config, so they must be equal")
+    if (src / INDEX).is_file():
+        weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+    else:
+        from safetensors import safe_open
+
+        shards = sorted(src.glob("*.safetensors"))
+        weight_map = {}
+        for shard in shards:
+            with safe_open(str(shard), "pt") as f:
+                weight_map.update({k: shard.name for k in f.keys()})
+    if clash := sorted(k for k in weight_map if k.startswith("mtp.")):
+        raise ValueError(f"{src} already holds mtp.* tensors ({clash[0]}, ... {len(clash)}: its own MTP module or "
+                         "drafter); remove them from the checkpoint first")
+    tensors = deepseek_tensors(state, cfg.num_layers)
+    config = {**target, **{k: ours[k] for k in ("dspark_block_size", "dspark_target_layer_ids",
+                                                 "dspark_noise_token_id")}}
+
+    def fill(tmp: Path) -> None:
+        for f in src.iterdir():
+            if f.name not in ("config.json", INDEX, DRAFTER_FILE):
+                os.symlink(f.resolve(), tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / DRAFTER_FILE), metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {**weight_map, **{k: DRAFTER_FILE for k in tensors}}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    return _replace_dir(Path(out_dir), fill)
+
+
+def _replace_dir(out: Path, fill) -> Path:
+    """`fill(tmp)` a sibling temporary directory, then put it at `out` (replacing it); nothing left on an error."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        fill(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)

@@ -29,6 +29,7 @@ EXCLUDED: dict[str, str] = {}
 NUM = r"\d+(?:\.\d+)?"
 SCI = r"\d\.\d{2}e[-+]\d+"
 # name -> (arguments, the regex its figure line must match in full, timeout in seconds). {tmp} is a fresh directory.
+# A name is the script's, or script:variant for a second case of one script.
 CASES: dict[str, tuple[list[str], str, int]] = {
     "packing": (["--anchors", "8", "--seq-per-batch", "4", "--batches-per-pack", "1"],
                 rf"packing_density={NUM} padded={NUM} ratio={NUM}", 300),
@@ -78,6 +79,13 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                        rf"serve engine=llama\.cpp tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} "
                        rf"rounds_equal_T0={NUM} controls_caught=\d controls=3 tau_engine_T1={NUM} tau_ours_T1={NUM} "
                        rf"agreement_T1={NUM} speedup_T0={NUM} speedup_T1={NUM}", 3600),
+    # DeepSeek-V4's drafter block on the tiny MoE target: our GGUF, the DeepSeek checkpoint through llama.cpp's
+    # converter, round by round against our evaluator
+    "serve_llamacpp:v4-deepseek": (["--preset", "v4-deepseek", "--target", "tiny-qwen3-moe", "--quick", "--steps",
+                                    "2", "--run-dir", "{tmp}/run"],
+                                   rf"serve engine=llama\.cpp preset=v4-deepseek target=tiny-qwen3-moe "
+                                   rf"tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} rounds_equal_T0={NUM} "
+                                   rf"fp4_tau_T0={NUM}", 1800),
     # speculators lives in its own venv (SPEC_VENV, made once here: its transformers pin conflicts with ours)
     "speculators_roundtrip": (["--venv", "{venv}"],
                               rf"speculators_roundtrip variants=4 max_abs_dlogit={SCI} max_abs_dconf={SCI} pass=4/4 "
@@ -90,9 +98,14 @@ def _scripts() -> set[str]:
     return {p.stem for p in BENCH.glob("*.py")} - HELPERS
 
 
+def _script(name: str) -> str:
+    return name.split(":")[0]
+
+
 def test_every_bench_script_has_a_smoke_case():
-    assert _scripts() == set(CASES) | set(EXCLUDED), "add the new bench to CASES (or EXCLUDED, with the reason)"
-    assert not set(CASES) & set(EXCLUDED)
+    cased = {_script(n) for n in CASES}
+    assert _scripts() == cased | set(EXCLUDED), "add the new bench to CASES (or EXCLUDED, with the reason)"
+    assert not cased & set(EXCLUDED)
 
 
 def _export_untrained_dsv4(out: Path) -> None:
@@ -123,7 +136,7 @@ def _prepare(name: str, tmp: Path) -> None:
             export_untrained_draft(tmp / d)
     if name == "dsv4_window":
         _export_untrained_dsv4(tmp / "export")
-    if name == "serve_llamacpp":
+    if _script(name) == "serve_llamacpp":
         import llamacpp
 
         llamacpp.build()
@@ -139,7 +152,7 @@ def _prepare(name: str, tmp: Path) -> None:
 def test_bench_prints_its_figure_line(name, tmp_path):
     args, pattern, timeout = CASES[name]
     _prepare(name, tmp_path)
-    cmd = [sys.executable, str(BENCH / f"{name}.py"), *(a.format(tmp=tmp_path, venv=SPEC_VENV) for a in args)]
+    cmd = [sys.executable, str(BENCH / f"{_script(name)}.py"), *(a.format(tmp=tmp_path, venv=SPEC_VENV) for a in args)]
     res = subprocess.run(cmd, cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     lines = res.stdout.strip().splitlines()

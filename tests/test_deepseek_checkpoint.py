@@ -89,8 +89,8 @@ def test_config_says_what_the_draft_is_in_deepseek_v4_s_names():
         deepseek_config(replace(cfg, moe=replace(cfg.moe, expert_intermediate_size=40)), 12)
 
 
-def _export(tmp_path: Path, V: int, D: int) -> tuple[Path, object, dict[str, torch.Tensor]]:
-    cfg = _cfg().resolved_for_target(V, D, 12)
+def _export(tmp_path: Path, V: int, D: int, **over) -> tuple[Path, object, dict[str, torch.Tensor]]:
+    cfg = _cfg(**over).resolved_for_target(V, D, 12)
     frozen = torch.zeros(1, D).expand(V, D)
     model = build_draft(cfg, frozen, frozen)
     g = torch.Generator().manual_seed(0)
@@ -196,3 +196,58 @@ def test_cli_writes_it_and_refuses_a_draft_it_cannot_hold_in_one_line(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "expert_intermediate_size=40" in err, err
     assert not (tmp_path / "ds2").exists()
+
+
+def _tiny_deepseek_v4_target(out: Path, cfg) -> Path:
+    """A random DeepseekV4ForCausalLM built by transformers from a config sharing the drafter's hyper-parameters
+    (2 layers), saved with SmolLM2's tokenizer: what a DeepSeek-V4 user's checkpoint directory looks like."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from serving.deepseek_checkpoint import SHARED_KEYS
+    from workers.target.model import smollm2_tokenizer
+
+    shared = {k: v for k, v in deepseek_config(cfg, 2).items() if k in SHARED_KEYS}
+    config = DeepseekV4Config(**shared, num_hidden_layers=2, layer_types=["sliding_attention"] * 2,
+                              mlp_layer_types=["moe"] * 2, num_nextn_predict_layers=0, index_n_heads=2,
+                              index_head_dim=16, index_topk=8)
+    torch.manual_seed(0)
+    DeepseekV4ForCausalLM(config).save_pretrained(str(out))
+    smollm2_tokenizer().save_pretrained(str(out))
+    return out
+
+
+def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_drafter(tmp_path, llama_cpp_tree):
+    """The drafter added to a (tiny, random) DeepSeek-V4 checkpoint built by transformers, as a DeepSeek-V4 user
+    does it: the target's files linked, its config plus the dspark_* keys, our tensors as one more shard; llama.cpp's
+    converter, given that directory alone, writes the drafter GGUF our direct writer writes (MXFP4 experts, the
+    converter's window W). A shared hyper-parameter that differs is refused by name."""
+    from serving.deepseek_checkpoint import merge_into_checkpoint
+
+    V = 49152
+    export, cfg, state = _export(tmp_path, V, 64, target_layers=[1, 2])  # layer 2: the target's final state
+    target = _tiny_deepseek_v4_target(tmp_path / "dsv4-target", cfg)
+    merged = merge_into_checkpoint(export, target, tmp_path / "merged")
+    conf = json.loads((merged / "config.json").read_text())
+    assert conf["dspark_target_layer_ids"] == [0, 1] and conf["dspark_block_size"] == 4
+    assert (merged / "model.safetensors").is_symlink()  # the target's weights are linked, not copied
+    converted = llamacpp.convert(merged, tmp_path / "converted.gguf", merged, extra=("--dspark",))
+    facts = TargetFacts(arch="deepseek4", hidden_size=64, num_layers=2, vocab_size=V, tokenizer={})
+    direct = write_dsv4_gguf(tmp_path / "direct.gguf", export_state(state, "gguf", cfg.num_layers),
+                             dsv4_draft_config(cfg), facts, mxfp4_experts=True)
+    a, b = gguf.GGUFReader(str(direct)), gguf.GGUFReader(str(converted))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)  # the target's own tensors are not the drafter's
+    for name, t in ta.items():
+        assert np.array_equal(np.asarray(t.data).ravel(), np.asarray(tb[name].data).ravel()), name
+    assert b.fields["dflash.target_layers"].contents() == [1, 2] and b.fields["dflash.block_count"].contents() == 2
+    assert b.fields["dflash.attention.sliding_window"].contents() == 16
+
+    deep, *_ = _export(tmp_path / "deep", V, 64, target_layers=[1, 3])  # trained on a deeper target's layer 3
+    with pytest.raises(ValueError, match="target layer 3; .* has 2 layers"):
+        merge_into_checkpoint(deep, target, tmp_path / "merged2")
+    bad = json.loads((target / "config.json").read_text())
+    bad["o_lora_rank"] = 32
+    (target / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="drafter's o_lora_rank is 16, the target's config.json says 32"):
+        merge_into_checkpoint(export, target, tmp_path / "merged2")
+    assert not (tmp_path / "merged2").exists()
