@@ -114,7 +114,9 @@ def acceptance_figure(runs: list[dict]):
             ks = [k for k, _, _ in pts]
             ps = [a for _, a, _ in pts]
             lo_hi = [wilson_interval(round(a * n), n) if n else (a, a) for _, a, n in pts]
-            yerr = [[a - lo for a, (lo, _) in zip(ps, lo_hi)], [hi - a for a, (_, hi) in zip(ps, lo_hi)]]
+            # no negative bar from rounding: Wilson's lower bound of 0 of 11 comes out as 3e-17, above a = 0
+            yerr = [[max(0.0, a - lo) for a, (lo, _) in zip(ps, lo_hi)],
+                    [max(0.0, hi - a) for a, (_, hi) in zip(ps, lo_hi)]]
             bars = ax.errorbar(ks, ps, yerr=yerr, marker="o", markersize=4, capsize=3, elinewidth=0.8,
                                label=f"{run_label(r)}  τ={r['datasets'][ds]['tau']:.2f}")
             color = bars.lines[0].get_color()

@@ -435,6 +435,7 @@ def test_acceptance_plot_counts_and_intervals():
         assert want[2][0] == pytest.approx(0.342, abs=1e-3)
     finally:
         plt.close(fig)
+    plt.close(acceptance_figure([result("v4", 2, [0.0, None], [11, 0])]))  # 0 of 11: a bound rounded past 0
     only_target = acceptance_figure([result("autoregressive", 0, [], [])])
     try:
         assert only_target.axes[0].get_legend() is None
