@@ -87,11 +87,15 @@ class DataConfig:
     max_in_flight: int = 4  # feature batches produced ahead of the trainers (backpressure bound)
     replay_batches: int = 0  # > 0: run the target on this many batches once, then train on them in a loop
     #                          (trainer-only throughput, debugging); 0 = stream live features
+    # a directory: store the target's features of every sample encoded, read them back instead of running the
+    # target again (later epochs, resumes, other drafts of the same target and context layers;
+    # workers/target/feature_cache.py). "" = stream every batch from the target (the default)
+    feature_cache: str = ""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "source": TEXT, "num_samples": at_least(1), "max_len": at_least(2), "samples_per_batch": at_least(1),
         "anchors_per_seq": at_least(1), "seed": SEED, "max_in_flight": at_least(1),
-        "replay_batches": at_least(0, note="0 = live features"),
+        "replay_batches": at_least(0, note="0 = live features"), "feature_cache": FREE,
     }
 
 

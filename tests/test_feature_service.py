@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import ray
+import torch
 
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
@@ -25,13 +26,13 @@ def _samples(n: int) -> list[TokenizedSample]:
             for i in range(n)]
 
 
-def _service(samples, tmp_path, max_in_flight: int, replay: int = 0):
+def _service(samples, tmp_path, max_in_flight: int, replay: int = 0, cache: str | None = None):
     target = {"resolved_path": str(resolve_target_path("tiny-qwen3-moe")), "dtype": "float32",
               "wire_dtype": "bfloat16", "num_workers": 1, "tp_size": 1, "expert_parallel": False,
               "cpus_per_worker": 1.0, "gpus_per_worker": 0.0, "device_map": "",
               "resources_per_worker": {}, "max_tokens_per_forward": 512, "max_restarts": 2, "batch_timeout_s": 60.0}
     path = write_samples(samples, tmp_path / "samples.parquet")
-    return FeatureService.remote(str(path), target, [1, -1], 3, 7, max_in_flight, replay)
+    return FeatureService.remote(str(path), target, [1, -1], 3, 7, max_in_flight, replay, cache)
 
 
 def test_sample_store_reads_rows_by_id(tmp_path):
@@ -65,8 +66,33 @@ def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray, tmp_path):
         # prefetch window restarts there
         again = ray.get(ray.get(svc.get.remote(3))[0])
         assert again.sample_ids == tuple(batch_sample_ids(3, 20, 3, 7))
-        assert ray.get(svc.stats.remote()) == {"reissued": 1, "low": 4}
+        assert ray.get(svc.stats.remote()) == {"reissued": 1, "low": 4, "from_cache": 0}
         assert ray.get(ray.get(svc.get.remote(4))[0]).batch_index == 4
+    finally:
+        ray.get(svc.shutdown.remote())
+        ray.kill(svc)
+
+
+def test_a_cached_batch_is_read_by_a_task_not_the_target(local_ray, tmp_path):
+    """With a feature cache, the batches of the first epoch are encoded and stored by the target worker; a batch
+    whose samples are all stored (the next epoch's, or one asked for again) is read back by a Ray task, equal to
+    what the worker shipped, and counted in the service's stats."""
+    samples = _samples(6)  # two batches of 3 per epoch
+    svc = _service(samples, tmp_path, max_in_flight=1, cache=str(tmp_path / "cache"))
+    try:
+        first = [ray.get(ray.get(svc.get.remote(b))[0]) for b in (0, 1)]
+        second = [ray.get(ray.get(svc.get.remote(b))[0]) for b in (2, 3)]  # epoch 2: the same 6 samples
+        assert ray.get(svc.stats.remote())["from_cache"] >= 2
+        by_id = {}
+        for fb in first:
+            s = fb.seq_start_S1.tolist()
+            for i, sid in enumerate(fb.sample_ids):
+                by_id[sid] = (fb.ctx_feats_TF[s[i]:s[i + 1]], fb.final_hidden_TD[s[i]:s[i + 1]])
+        for fb in second:
+            s = fb.seq_start_S1.tolist()
+            for i, sid in enumerate(fb.sample_ids):
+                assert torch.equal(fb.ctx_feats_TF[s[i]:s[i + 1]], by_id[sid][0]), sid
+                assert torch.equal(fb.final_hidden_TD[s[i]:s[i + 1]], by_id[sid][1]), sid
     finally:
         ray.get(svc.shutdown.remote())
         ray.kill(svc)

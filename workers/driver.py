@@ -95,6 +95,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
 
     from workers.preemption import StoppedEarly, stop_on_signal
     from workers.run_control import RunControl
+    from workers.target.feature_cache import open_feature_cache
     from workers.target.feature_service import FeatureService
     from workers.trainer.process_group import trainer_torch_config
     from workers.trainer.ray_trainer import train_loop
@@ -120,9 +121,10 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     check_cluster_fits(cfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     control = RunControl.remote()
     target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
+    cache = open_feature_cache(cfg, samples_digest, target_path, log)
     service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(
         str(samples_path), target, list(cfg.draft.target_layers), cfg.data.samples_per_batch, cfg.data.seed,
-        cfg.data.max_in_flight, cfg.data.replay_batches)
+        cfg.data.max_in_flight, cfg.data.replay_batches, cache)
     info = ray.get(service.target_info.remote())
     try:
         cfg.draft = cfg.draft.resolved_for_target(info["vocab_size"], info["hidden_size"], info["num_layers"])

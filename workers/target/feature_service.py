@@ -26,7 +26,13 @@ import ray
 
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore
+from workers.target.feature_cache import has_all, read_batch
 from workers.target.group import TargetGroup
+
+
+@ray.remote(num_cpus=0)
+def _read_cached(cache: str, batch_index: int, samples: list) -> Any:
+    return read_batch(cache, batch_index, samples)
 
 
 def target_worker_options(target: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +46,7 @@ def target_worker_options(target: dict[str, Any]) -> dict[str, Any]:
 @ray.remote(num_cpus=0, max_concurrency=16)
 class FeatureService:
     def __init__(self, samples_path: str, target: dict[str, Any], layers: list[int], samples_per_batch: int,
-                 seed: int, max_in_flight: int, replay_batches: int = 0) -> None:
+                 seed: int, max_in_flight: int, replay_batches: int = 0, feature_cache: str | None = None) -> None:
         from workers.target.worker import TargetWorker
 
         self._samples = SampleStore(samples_path)
@@ -48,6 +54,8 @@ class FeatureService:
             raise ValueError(f"{samples_path} has no samples")
         self._spb, self._seed, self._max_in_flight = samples_per_batch, seed, max_in_flight
         self._replay = replay_batches
+        self._cache = feature_cache  # a feature cache directory (workers/target/feature_cache.py), or None
+        self._from_cache = 0
         self._replay_refs: list[ray.ObjectRef] = []
         actor_cls = ray.remote(TargetWorker)
         gpus = target["gpus_per_worker"]
@@ -109,9 +117,13 @@ class FeatureService:
         if b in self._launched:
             return
         ids = batch_sample_ids(b, len(self._samples), self._spb, self._seed)
+        if self._cache and has_all(self._cache, ids):  # read by a task, so tensors never pass through this actor
+            self._from_cache += 1
+            self._launched[b] = _read_cached.remote(self._cache, b, self._samples.take(ids))
+            return
         worker = self._workers[self._next_worker % len(self._workers)]
         self._next_worker += 1
-        self._launched[b] = worker.encode.remote(b, self._samples.take(ids))
+        self._launched[b] = worker.encode.remote(b, self._samples.take(ids), self._cache)
 
     def workers(self) -> list[Any]:
         """The target workers' handles (operators and fault tests); a target group's as the list of its members."""
@@ -122,9 +134,10 @@ class FeatureService:
             return len(self._launched)
 
     def stats(self) -> dict[str, int]:
-        """How often a batch was asked for again (trainer restarts, lost references)."""
+        """How often a batch was asked for again (trainer restarts, lost references), and how many batches came
+        from the feature cache instead of the target."""
         with self._lock:
-            return {"reissued": self._reissued, "low": self._low}
+            return {"reissued": self._reissued, "low": self._low, "from_cache": self._from_cache}
 
     def shutdown(self) -> None:
         # prefetched batches nobody will ask for: cancel the queued ones and give a running one a moment, so that

@@ -124,11 +124,12 @@ class TargetGroupMember:
             self._die(f"embedding_weights: {type(e).__name__}: {e}")
         return weights if self.rank == 0 else None
 
-    def encode(self, batch_index: int, samples: list) -> tuple[Any, None]:
-        """(FeatureBatch on rank 0 / None elsewhere, a small done token the group polls for dead members)."""
+    def encode(self, batch_index: int, samples: list, cache: str | None = None) -> tuple[Any, None]:
+        """(FeatureBatch on rank 0 / None elsewhere, a small done token the group polls for dead members); rank 0,
+        which holds the whole features, stores them in the feature cache `cache` when given."""
         worker = self._ready()
         try:
-            batch = worker.encode(batch_index, samples)
+            batch = worker.encode(batch_index, samples, cache if self.rank == 0 else None)
         except _INPUT_ERRORS:
             raise
         except Exception as e:
@@ -213,11 +214,11 @@ class TargetGroup:
             ray.kill(m, no_restart=True)
         self._start()
 
-    def _encode(self, batch_index: int, samples: list) -> ray.ObjectRef:
+    def _encode(self, batch_index: int, samples: list, cache: str | None = None) -> ray.ObjectRef:
         with self._lock:
             self._restart_if_lost()
             shared = ray.put(samples)  # one copy in the object store, read by every member
-            outs = [m.encode.options(num_returns=2).remote(batch_index, shared) for m in self._members]
+            outs = [m.encode.options(num_returns=2).remote(batch_index, shared, cache) for m in self._members]
             self._tokens += [done for _, done in outs]
             return outs[0][0]
 

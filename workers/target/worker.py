@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
+from workers.target.feature_cache import write_batch
 from workers.target.model import (
     FINAL_HIDDEN,
     capture_features,
@@ -111,8 +112,9 @@ class TargetWorker:
 
         return generate_batch(self.model, self.tokenizer, prompts, params, seed)
 
-    def encode(self, batch_index: int, samples: list[TokenizedSample]) -> FeatureBatch:
-        """Features of `samples` (kept in the given order) as one dense FeatureBatch in the wire dtype."""
+    def encode(self, batch_index: int, samples: list[TokenizedSample], cache: str | None = None) -> FeatureBatch:
+        """Features of `samples` (kept in the given order) as one dense FeatureBatch in the wire dtype; with `cache`
+        (a feature cache directory, workers/target/feature_cache.py) every sample not stored there yet is stored."""
         if not samples:
             raise ValueError(f"batch {batch_index}: no samples to encode")
         lengths = [len(s.input_ids) for s in samples]
@@ -137,7 +139,7 @@ class TargetWorker:
                 fin_parts[i] = final_BLD[b, :lengths[i]].to("cpu", self.wire_dtype)
         seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
         seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
-        return FeatureBatch(
+        fb = FeatureBatch(
             batch_index=batch_index,
             sample_ids=tuple(int(s.sample_id) for s in samples),
             input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
@@ -149,6 +151,9 @@ class TargetWorker:
             ctx_is_final=self.ctx_is_final,
             final_hidden_TD=torch.cat(fin_parts, dim=0),
         )
+        if cache:
+            write_batch(cache, fb)
+        return fb
 
 
 def start_target_actor(target_path: str | os.PathLike, layers: list[int], num_gpus: float = 0,

@@ -31,6 +31,7 @@ from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
 from workers.lease import Fence
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
+from workers.target.feature_cache import has_all, open_feature_cache, read_batch
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.engines import TorchEngine
 from workers.trainer.loop import MicroBatch, fit, resume
@@ -50,8 +51,9 @@ class LocalBatches:
     so the target encodes step s+1 while step s trains; steps are made one at a time, in order, so the features
     are the ones a sequential run makes."""
 
-    def __init__(self, worker: Any, samples: list, cfg: RunConfig, device: torch.device) -> None:
-        self.worker, self.samples, self.cfg, self.device = worker, samples, cfg, device
+    def __init__(self, worker: Any, samples: list, cfg: RunConfig, device: torch.device,
+                 cache: str | None = None) -> None:
+        self.worker, self.samples, self.cfg, self.device, self.cache = worker, samples, cfg, device, cache
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
         self._pending: dict[int, Future] = {}
 
@@ -60,7 +62,9 @@ class LocalBatches:
         for m in range(cfg.train.grad_accum):
             b = batch_index_for(step, m, 0, cfg.train.grad_accum, 1)
             ids = batch_sample_ids(b, len(self.samples), cfg.data.samples_per_batch, cfg.data.seed)
-            fb = self.worker.encode(b, [self.samples[i] for i in ids])
+            batch = [self.samples[i] for i in ids]
+            fb = (read_batch(self.cache, b, batch) if self.cache and has_all(self.cache, ids) else
+                  self.worker.encode(b, batch, self.cache))
             out.append(pack_micro_batch(fb, b, cfg, len(self.samples), torch.float32, self.device))
         return out
 
@@ -126,6 +130,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     samples_digest = digest_samples(samples)  # what the ledger's sample ids refer to (no samples file: in memory)
     if meta is not None:
         check_samples(meta, samples_digest)
+    cache = open_feature_cache(cfg, samples_digest, target_path, log)
     start_step, ledger = resume(engine, ckpts, resume_from, 0, log, samples_digest)
 
     save_config(cfg, run_dir / "config.yaml")
@@ -136,8 +141,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     t_start = time.time()
     try:
         with stop_on_signal(lambda _name: None) as stop:
-            result = fit(engine, LocalBatches(worker, samples, cfg, dev), ckpts, sink, cfg, 0, 1, start_step, log,
-                         ledger=ledger,
+            batches = LocalBatches(worker, samples, cfg, dev, cache)
+            result = fit(engine, batches, ckpts, sink, cfg, 0, 1, start_step, log, ledger=ledger,
                          poll=lambda: Notice(stop=stop.is_set(), gone=(fence.check() if fence else None) or ""),
                          num_samples=len(samples))
     finally:
