@@ -40,7 +40,8 @@ def run(launch, monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(workers.driver, "connect_ray", no_ray)
     for handler in logging.getLogger("dspark.launch").handlers:  # made before capsys: write where it captures
-        monkeypatch.setattr(handler, "stream", sys.stderr)
+        if type(handler) is logging.StreamHandler:  # ours; pytest >= 9.2 hangs its own capture handlers here too
+            monkeypatch.setattr(handler, "stream", sys.stderr)
     run_dir = tmp_path / "run"
 
     def call(args: list[str]) -> str:
