@@ -157,6 +157,10 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         if fatal is not None:  # the retried trainer group returned at once (workers/trainer/ray_trainer.train_loop)
             raise TrainingFailed(fatal)
     finally:
+        if cache:
+            stats = ray.get(service.stats.remote())
+            log.info("feature cache: %d feature batches read from %s instead of the target", stats["from_cache"],
+                     cache)
         ray.get(service.shutdown.remote())
         ray.kill(service, no_restart=True)
     if reason is not None:
