@@ -76,6 +76,9 @@ def test_tiny_moe_target_trains_checkpoints_and_exports(clean_run):
     first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(STEPS - 4, STEPS + 1)) / 5
     assert last < 0.9 * first, (first, last)
     assert f"step {STEPS}/{STEPS} | loss" in out  # one dense log line per step, from rank 0
+    for r in read_jsonl_metrics(run_dir / "metrics.jsonl").values():  # phases summed over the 2 ranks
+        phases = [r["forward_s"], r["backward_s"], r["optimizer_s"]]
+        assert all(t > 0 for t in phases) and sum(phases) <= 2 * r["step_time_s"], r
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == f"step_{STEPS:08d}"
     meta = json.loads((ckpts / f"step_{STEPS:08d}" / "meta.json").read_text())

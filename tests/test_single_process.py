@@ -165,6 +165,9 @@ def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, ga
     export = train_single_process(cfg, logging.getLogger("test"), device="cpu")
     rows = read_jsonl_metrics(run_dir / "metrics.jsonl")
     assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows.values())
+    for r in rows.values():  # the step's phases, timed inside it (one rank: at most the step's wall time)
+        phases = [r["forward_s"], r["backward_s"], r["optimizer_s"]]
+        assert all(t > 0 for t in phases) and sum(phases) <= r["step_time_s"], r
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(export, *embedding_weights(target))
     assert (draft.cfg.arch, draft.cfg.block_size, draft.cfg.num_layers) == (cfg.draft.arch, gamma, layers)

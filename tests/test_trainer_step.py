@@ -180,7 +180,8 @@ def test_torch_engine_checkpoint_resumes_bit_for_bit(tmp_path):
     for _ in range(3):
         a = optimizer_step(straight, micro, cfg.loss.decay_lambda, world=1)[0]
         b = optimizer_step(resumed, micro, cfg.loss.decay_lambda, world=1)[0]
-        assert a == b and straight.get_lr() == resumed.get_lr()
+        values = [{k: v for k, v in d.items() if not k.startswith("t_")} for d in (a, b)]  # not the phase clocks
+        assert values[0] == values[1] and straight.get_lr() == resumed.get_lr()
     for (n, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(p, q), n
 

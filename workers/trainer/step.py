@@ -11,6 +11,7 @@ numerator / global_weight_sum · R · grad_accum + aux (the MoE balance loss is 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -142,15 +143,25 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
     scale = world * len(micro)
     loss_cfg = engine.module.loss_cfg
     counts = dict.fromkeys(("trained", "wire", "useful", "computed", "blocks"), 0.0)  # tokens, bytes, blocks
+    # wall seconds of this rank's phases (forward with the loss, backward with its gradient reduction, the
+    # optimizer); host clocks: on a GPU they time what the host waited for, not the kernels
+    phases = dict.fromkeys(("t_forward", "t_backward", "t_optimizer"), 0.0)
     device_sums = None  # ce, tv, conf, aux, tau_sum summed on the device: one transfer per step, not five per micro
     for (bb, stats, wire_bytes, _, _), n_N in zip(micro, lengths):
+        t0 = time.perf_counter()
         parts = as_loss_parts(engine(bb), loss_cfg)
         # only the normalised term is rescaled: the engine's average over world·grad_accum micro-batches then
         # leaves Σ numerators / Σ w plus the *mean* MoE aux loss, which is what step_metrics logs
         weighted = replace(parts, aux_loss=torch.zeros_like(parts.aux_loss))
         loss = weighted.total(torch.tensor(global_w, dtype=parts.ce_sum.dtype)) * scale + parts.aux_loss
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
+        t3 = time.perf_counter()
+        phases["t_forward"] += t1 - t0
+        phases["t_backward"] += t2 - t1
+        phases["t_optimizer"] += t3 - t2
         blocks = int((n_N > 0).sum())
         tau_sum = expected_tau(parts.c_star_NK, bb.valid_NK) * blocks if blocks else parts.ce_sum.new_zeros(())
         sums = torch.stack([t.detach().to(torch.float64) for t in (parts.ce_sum, parts.tv_sum, parts.conf_sum,
@@ -163,7 +174,7 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
     ce, tv, conf, aux, tau = device_sums.tolist() if device_sums is not None else [0.0] * 5
     return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": counts["trained"], "wire": counts["wire"],
             "useful": counts["useful"], "computed": counts["computed"], "tau_sum": tau,
-            "blocks": counts["blocks"]}, global_w
+            "blocks": counts["blocks"], **phases}, global_w
 
 
 def host_weight_sum(valid_len_N: np.ndarray, block_size: int, decay_lambda: float) -> float:
@@ -194,7 +205,7 @@ def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
 def step_metrics(totals: list[float], global_w: float, cfg: RunConfig, world: int, dt: float, t_data: float,
                  lr: float, step: int) -> dict[str, float]:
     """The logged metrics of one step from the all-reduced sums of `optimizer_step`; stops on a non-finite loss."""
-    ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks = totals
+    ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks, t_fwd, t_bwd, t_opt = totals
     for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
         if not math.isfinite(value):
             raise FloatingPointError(f"step {step}: the {name} loss is {value}; stopping before any "
@@ -206,6 +217,8 @@ def step_metrics(totals: list[float], global_w: float, cfg: RunConfig, world: in
         "tokens_per_s": trained / dt, "bytes_per_token": wire / max(trained, 1.0),
         "packing_density": useful / max(computed, 1.0), "tau_est": tau_sum / max(blocks, 1.0),
         "trained_tokens": trained, "step_time_s": dt, "data_wait_s": t_data,
+        # summed over the ranks: trainer-seconds of each phase in this step (rank 0's data wait is data_wait_s)
+        "forward_s": t_fwd, "backward_s": t_bwd, "optimizer_s": t_opt,
     }
 
 
