@@ -19,7 +19,8 @@ block, which engines serve), with the same MoE (tiny.yaml's) and context layers 
 Printed: τ per dataset, end-to-end decoding speed-up over the target alone (wall time of whole decodes: target
 forwards, the draft's own time, bookkeeping), the latency-matched depth, and the cost table.
 Every stage is cached in --work-dir, so a re-run resumes where it stopped. The last line is
-`tau_ratio dspark/dflash=X dspark/eagle3=Y` (macro-average τ over the datasets, temperature 1.0).
+`tau_ratio dspark/dflash=X dspark/eagle3=Y` (macro-average τ over the datasets, temperature 1.0); with dspark, v4
+and v4-deepseek but not dflash and eagle3 it is `tau_ratio v4-deepseek/v4=X v4-deepseek/dspark=Y`.
 
 Run: python bench/drafters.py --scale cpu      (every drafter by default: about 2.5 hours on 2 cores from nothing,
                                                   of which the data stage is 25-40 min and one T 17 min)
@@ -370,6 +371,9 @@ def main() -> None:
               + ", ".join(f"{d}: {t:.1f}" for d, t in lat["dspark_ms"].items()))
     print("\ncost on this machine (data stage + training steps) and τ − 1 per machine-hour\n"
           + cost_table(work, args.drafters, macro, s["use_gpu"]))
+    if all((n, 1.0) in macro for n in ("dspark", "v4", "v4-deepseek")):  # before the main line: that one is last
+        print(f"tau_ratio v4-deepseek/v4={macro[('v4-deepseek', 1.0)] / macro[('v4', 1.0)]:.3f} "
+              f"v4-deepseek/dspark={macro[('v4-deepseek', 1.0)] / macro[('dspark', 1.0)]:.3f}")
     if all((n, 1.0) in macro for n in ("dspark", "dflash", "eagle3")):
         print(f"tau_ratio dspark/dflash={macro[('dspark', 1.0)] / macro[('dflash', 1.0)]:.3f} "
               f"dspark/eagle3={macro[('dspark', 1.0)] / macro[('eagle3', 1.0)]:.3f}")
