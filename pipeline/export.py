@@ -30,16 +30,20 @@ def export_meta(cfg: RunConfig) -> dict[str, Any]:
 
 
 def write_export_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], files: dict[str, str],
-                     metadata: dict[str, str] | None = None) -> Path:
-    """`out_dir` replaced atomically by model.safetensors (`tensors`) and the text `files` (name -> contents): a
-    reader sees the old directory or the complete new one. Every export format is written through it."""
+                     metadata: dict[str, str] | None = None, weights_file: str = "model.safetensors",
+                     links: dict[str, Path] | None = None) -> Path:
+    """`out_dir` replaced atomically by `weights_file` (`tensors`), the text `files` (name -> contents) and
+    symlinks (`links`: name -> the file it points at): a reader sees the old directory or the complete new one.
+    Every export format is written through it."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+    for name, target in (links or {}).items():
+        os.symlink(target, tmp / name)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / weights_file),
               metadata=metadata)
     for name, text in files.items():
         (tmp / name).write_text(text)

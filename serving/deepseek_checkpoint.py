@@ -27,20 +27,17 @@ direct GGUF export (n_swa = W + 1) avoids.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from draft_model.config import DraftConfig
 from draft_model.dsv4 import export_state
-from pipeline.export import read_export
+from pipeline.export import read_export, write_export_dir
+from serving.dsv4_gguf_export import require_resolved_dsv4
 
 QK = 32  # values per MXFP4 block (one E8M0 scale each)
 # DeepSeek-V4's sparse-attention indexer and compressor keys: unused by the drafter (its stages are uncompressed,
@@ -66,12 +63,7 @@ def mxfp4_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def deepseek_config(cfg: DraftConfig, num_hidden_layers: int) -> dict[str, Any]:
     """The DeepseekV4ForCausalLM config.json of a resolved arch-"dsv4" DraftConfig; ValueError for any other."""
-    if cfg.arch != "dsv4":
-        raise ValueError(f"the DeepSeek-V4 checkpoint holds arch 'dsv4' drafts (preset v4-deepseek), this one is "
-                         f"draft.arch={cfg.arch!r}")
-    if cfg.mask_token_id < 0 or not cfg.vocab_size:
-        raise ValueError(f"the draft config was never resolved against a target (mask_token_id {cfg.mask_token_id}, "
-                         f"vocab_size {cfg.vocab_size})")
+    require_resolved_dsv4(cfg, "DeepSeek-V4 checkpoint")
     d, moe = cfg.dsv4, cfg.moe
     for name, n in (("draft.hidden_size", cfg.hidden_size), ("draft.moe.expert_intermediate_size",
                                                              moe.expert_intermediate_size)):
@@ -133,13 +125,8 @@ def write_deepseek_checkpoint(export_dir: str | Path, out_dir: str | Path, num_h
     left as it was on an error); ValueError / FileNotFoundError (one line) for a draft it cannot hold."""
     cfg, state, _ = read_export(export_dir)
     config = deepseek_config(cfg, num_hidden_layers)
-    tensors = deepseek_tensors(state, cfg.num_layers)
-
-    def fill(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-
-    return _replace_dir(Path(out_dir), fill)
+    return write_export_dir(out_dir, deepseek_tensors(state, cfg.num_layers),
+                            {"config.json": json.dumps(config, indent=2) + "\n"}, metadata={"format": "pt"})
 
 
 # the hyper-parameters a drafter shares with the DeepSeek-V4 checkpoint it joins: engines build the drafter's
@@ -195,27 +182,9 @@ def merge_into_checkpoint(export_dir: str | Path, target_dir: str | Path, out_di
     config = {**target, **{k: ours[k] for k in ("dspark_block_size", "dspark_target_layer_ids",
                                                  "dspark_noise_token_id")}}
 
-    def fill(tmp: Path) -> None:
-        for f in src.iterdir():
-            if f.name not in ("config.json", INDEX, DRAFTER_FILE):
-                os.symlink(f.resolve(), tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / DRAFTER_FILE), metadata={"format": "pt"})
-        index = {"metadata": {}, "weight_map": {**weight_map, **{k: DRAFTER_FILE for k in tensors}}}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-    return _replace_dir(Path(out_dir), fill)
-
-
-def _replace_dir(out: Path, fill) -> Path:
-    """`fill(tmp)` a sibling temporary directory, then put it at `out` (replacing it); nothing left on an error."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
-        fill(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    index = {"metadata": {}, "weight_map": {**weight_map, **{k: DRAFTER_FILE for k in tensors}}}
+    return write_export_dir(out_dir, tensors, {"config.json": json.dumps(config, indent=2) + "\n",
+                                               INDEX: json.dumps(index, indent=2) + "\n"},
+                            metadata={"format": "pt"}, weights_file=DRAFTER_FILE,
+                            links={f.name: f.resolve() for f in src.iterdir()
+                                   if f.name not in ("config.json", INDEX, DRAFTER_FILE)})

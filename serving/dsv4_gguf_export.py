@@ -21,14 +21,19 @@ from pipeline.export import read_export
 from serving.gguf_dsv4 import DSV4DraftConfig, TargetFacts, write_dsv4_gguf
 
 
-def dsv4_draft_config(cfg: DraftConfig) -> DSV4DraftConfig:
-    """The GGUF hyper-parameters of a resolved arch-"dsv4" DraftConfig. ValueError for any other arch."""
+def require_resolved_dsv4(cfg: DraftConfig, holder: str) -> None:
+    """ValueError unless `cfg` is an arch-"dsv4" draft resolved against its target; `holder` names the format."""
     if cfg.arch != "dsv4":
-        raise ValueError(f"the DeepSeek-V4 drafter GGUF holds arch 'dsv4' drafts (preset v4-deepseek), this one is "
+        raise ValueError(f"the {holder} holds arch 'dsv4' drafts (preset v4-deepseek), this one is "
                          f"draft.arch={cfg.arch!r}")
     if cfg.mask_token_id < 0 or not cfg.vocab_size:
         raise ValueError(f"the draft config was never resolved against a target (mask_token_id {cfg.mask_token_id}, "
                          f"vocab_size {cfg.vocab_size})")
+
+
+def dsv4_draft_config(cfg: DraftConfig) -> DSV4DraftConfig:
+    """The GGUF hyper-parameters of a resolved arch-"dsv4" DraftConfig. ValueError for any other arch."""
+    require_resolved_dsv4(cfg, "DeepSeek-V4 drafter GGUF")
     d, moe = cfg.dsv4, cfg.moe
     return DSV4DraftConfig(
         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,

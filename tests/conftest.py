@@ -55,3 +55,28 @@ def export_cli():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
+
+
+@pytest.fixture
+def export_random_dsv4():
+    """export(cfg, out_dir) -> state: a resolved arch-"dsv4" draft exported (our format, target "smollm2") with random
+    weights where init leaves zeros (sinks, router biases, W2, hyper-connection bases), so every tensor's mapping
+    shows. The frozen embedding and LM head are zeros: no export carries them."""
+    def export(cfg, out_dir):
+        import torch
+
+        from draft_model import build_draft
+        from pipeline.export import export_draft
+
+        frozen = torch.zeros(1, cfg.hidden_size).expand(cfg.vocab_size, cfg.hidden_size)
+        model = build_draft(cfg, frozen, frozen)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                if name.endswith(("attn_sink", "router_bias_E", "w2_RV", "_base")):  # zero at init
+                    t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        export_draft(state, {"draft": cfg.to_dict(), "target": "smollm2", "format": "dspark-draft-v1"}, out_dir)
+        return state
+
+    return export

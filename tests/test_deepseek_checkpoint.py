@@ -22,7 +22,6 @@ import torch
 from launch_helpers import REPO
 from safetensors import safe_open
 
-from draft_model import build_draft
 from draft_model.config import DSV4Config, MoEConfig
 from draft_model.dsv4 import export_state
 from pipeline.config import load_config
@@ -89,23 +88,15 @@ def test_config_says_what_the_draft_is_in_deepseek_v4_s_names():
         deepseek_config(replace(cfg, moe=replace(cfg.moe, expert_intermediate_size=40)), 12)
 
 
-def _export(tmp_path: Path, V: int, D: int, **over) -> tuple[Path, object, dict[str, torch.Tensor]]:
+def _export(tmp_path: Path, export, V: int, D: int, **over) -> tuple[Path, object, dict[str, torch.Tensor]]:
+    """`_cfg(**over)` resolved for a target of vocabulary V and width D, exported by `export` (the
+    export_random_dsv4 fixture) into tmp_path/export."""
     cfg = _cfg(**over).resolved_for_target(V, D, 12)
-    frozen = torch.zeros(1, D).expand(V, D)
-    model = build_draft(cfg, frozen, frozen)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name.endswith(("attn_sink", "router_bias_E", "w2_RV", "_base")):  # zero at init
-                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    export_draft(state, {"draft": cfg.to_dict(), "target": "smollm2", "format": "dspark-draft-v1"},
-                 tmp_path / "export")
-    return tmp_path / "export", cfg, state
+    return tmp_path / "export", cfg, export(cfg, tmp_path / "export")
 
 
-def test_checkpoint_holds_the_mtp_tensors_with_mxfp4_experts(tmp_path):
-    export, cfg, state = _export(tmp_path, 97, 64)
+def test_checkpoint_holds_the_mtp_tensors_with_mxfp4_experts(tmp_path, export_random_dsv4):
+    export, cfg, state = _export(tmp_path, export_random_dsv4, 97, 64)
     out = write_deepseek_checkpoint(export, tmp_path / "ds", num_hidden_layers=12)
     assert json.loads((out / "config.json").read_text()) == deepseek_config(cfg, 12)
     want = export_state(state, "deepseek", cfg.num_layers)
@@ -123,10 +114,10 @@ def test_checkpoint_holds_the_mtp_tensors_with_mxfp4_experts(tmp_path):
         assert np.abs(got - want[k].numpy()).max() <= np.abs(want[k].numpy()).max() * 0.26
 
 
-def test_end_of_run_writes_the_checkpoint_and_names_the_gguf_command(tmp_path, caplog):
+def test_end_of_run_writes_the_checkpoint_and_names_the_gguf_command(tmp_path, caplog, export_random_dsv4):
     from serving.engine_export import export_servable
 
-    export, cfg, _ = _export(tmp_path, 97, 64)
+    export, cfg, _ = _export(tmp_path, export_random_dsv4, 97, 64)
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": 12}))
@@ -139,19 +130,9 @@ def test_end_of_run_writes_the_checkpoint_and_names_the_gguf_command(tmp_path, c
     assert f"launch/export_draft.py {tmp_path / 'run'} --format gguf-dsv4" in caplog.records[1].message
 
 
-def test_llama_cpp_s_dspark_converter_reads_it_as_our_gguf_with_mxfp4_experts(tmp_path, llama_cpp_tree):
-    """DeepSeek's own route, run: the checkpoint through convert_hf_to_gguf.py --dspark. Every tensor equals our
-    direct writer's (the routed experts' MXFP4 blocks byte for byte: the converter's repack inverts ours), and so
-    does every hyper-parameter but the window: the converter copies DeepSeek's W as llama.cpp's n_swa, ours writes
-    W + 1 (docs/dsv4.md, departure 1)."""
-    from workers.target.model import resolve_target_path
-
-    target_dir = resolve_target_path("smollm2")
-    V = json.loads((target_dir / "config.json").read_text())["vocab_size"]
-    export, cfg, state = _export(tmp_path, V, 64)
-    ckpt = write_deepseek_checkpoint(export, tmp_path / "ds", num_hidden_layers=30)
-    converted = llamacpp.convert(ckpt, tmp_path / "converted.gguf", target_dir, extra=("--dspark",))
-    facts = TargetFacts(arch="llama", hidden_size=64, num_layers=30, vocab_size=V, tokenizer={})
+def _same_tensors_as_our_mxfp4_gguf(converted: Path, tmp_path: Path, cfg, state, facts):
+    """Readers of our direct GGUF (MXFP4 experts) and of `converted`, after asserting the two hold the same tensors:
+    the same names, types and bytes."""
     direct = write_dsv4_gguf(tmp_path / "direct.gguf", export_state(state, "gguf", cfg.num_layers),
                              dsv4_draft_config(cfg), facts, mxfp4_experts=True)
     a, b = gguf.GGUFReader(str(direct)), gguf.GGUFReader(str(converted))
@@ -160,7 +141,26 @@ def test_llama_cpp_s_dspark_converter_reads_it_as_our_gguf_with_mxfp4_experts(tm
     for name, t in ta.items():
         assert t.tensor_type == tb[name].tensor_type, name
         assert np.array_equal(np.asarray(t.data).ravel(), np.asarray(tb[name].data).ravel()), name
-    assert ta["blk.1.ffn_down_exps.weight"].tensor_type == gguf.GGMLQuantizationType.MXFP4
+    return a, b
+
+
+def test_llama_cpp_s_dspark_converter_reads_it_as_our_gguf_with_mxfp4_experts(tmp_path, llama_cpp_tree,
+                                                                              export_random_dsv4):
+    """DeepSeek's own route, run: the checkpoint through convert_hf_to_gguf.py --dspark. Every tensor equals our
+    direct writer's (the routed experts' MXFP4 blocks byte for byte: the converter's repack inverts ours), and so
+    does every hyper-parameter but the window: the converter copies DeepSeek's W as llama.cpp's n_swa, ours writes
+    W + 1 (docs/dsv4.md, departure 1)."""
+    from workers.target.model import resolve_target_path
+
+    target_dir = resolve_target_path("smollm2")
+    V = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    export, cfg, state = _export(tmp_path, export_random_dsv4, V, 64)
+    ckpt = write_deepseek_checkpoint(export, tmp_path / "ds", num_hidden_layers=30)
+    converted = llamacpp.convert(ckpt, tmp_path / "converted.gguf", target_dir, extra=("--dspark",))
+    facts = TargetFacts(arch="llama", hidden_size=64, num_layers=30, vocab_size=V, tokenizer={})
+    a, b = _same_tensors_as_our_mxfp4_gguf(converted, tmp_path, cfg, state, facts)
+    assert {t.name: t for t in a.tensors}["blk.1.ffn_down_exps.weight"].tensor_type == \
+        gguf.GGMLQuantizationType.MXFP4
 
     def kv(r: gguf.GGUFReader, key: str):
         return r.fields[f"dflash.{key}"].contents()
@@ -179,8 +179,8 @@ def test_llama_cpp_s_dspark_converter_reads_it_as_our_gguf_with_mxfp4_experts(tm
     assert (kv(a, "attention.sliding_window"), kv(b, "attention.sliding_window")) == (17, 16)
 
 
-def test_cli_writes_it_and_refuses_a_draft_it_cannot_hold_in_one_line(tmp_path, capsys, export_cli):
-    export, cfg, _ = _export(tmp_path, 97, 64)
+def test_cli_writes_it_and_refuses_a_draft_it_cannot_hold_in_one_line(tmp_path, capsys, export_cli, export_random_dsv4):
+    export, cfg, _ = _export(tmp_path, export_random_dsv4, 97, 64)
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": 12}))
@@ -216,7 +216,8 @@ def _tiny_deepseek_v4_target(out: Path, cfg) -> Path:
     return out
 
 
-def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_drafter(tmp_path, llama_cpp_tree):
+def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_drafter(tmp_path, llama_cpp_tree,
+                                                                                    export_random_dsv4):
     """The drafter added to a (tiny, random) DeepSeek-V4 checkpoint built by transformers, as a DeepSeek-V4 user
     does it: the target's files linked, its config plus the dspark_* keys, our tensors as one more shard; llama.cpp's
     converter, given that directory alone, writes the drafter GGUF our direct writer writes (MXFP4 experts, the
@@ -224,7 +225,8 @@ def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_draf
     from serving.deepseek_checkpoint import merge_into_checkpoint
 
     V = 49152
-    export, cfg, state = _export(tmp_path, V, 64, target_layers=[1, 2])  # layer 2: the target's final state
+    # context layer 2: the 2-layer target's final state
+    export, cfg, state = _export(tmp_path, export_random_dsv4, V, 64, target_layers=[1, 2])
     target = _tiny_deepseek_v4_target(tmp_path / "dsv4-target", cfg)
     merged = merge_into_checkpoint(export, target, tmp_path / "merged")
     conf = json.loads((merged / "config.json").read_text())
@@ -232,17 +234,12 @@ def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_draf
     assert (merged / "model.safetensors").is_symlink()  # the target's weights are linked, not copied
     converted = llamacpp.convert(merged, tmp_path / "converted.gguf", merged, extra=("--dspark",))
     facts = TargetFacts(arch="deepseek4", hidden_size=64, num_layers=2, vocab_size=V, tokenizer={})
-    direct = write_dsv4_gguf(tmp_path / "direct.gguf", export_state(state, "gguf", cfg.num_layers),
-                             dsv4_draft_config(cfg), facts, mxfp4_experts=True)
-    a, b = gguf.GGUFReader(str(direct)), gguf.GGUFReader(str(converted))
-    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    assert set(ta) == set(tb)  # the target's own tensors are not the drafter's
-    for name, t in ta.items():
-        assert np.array_equal(np.asarray(t.data).ravel(), np.asarray(tb[name].data).ravel()), name
+    _, b = _same_tensors_as_our_mxfp4_gguf(converted, tmp_path, cfg, state, facts)  # none of the target's own
     assert b.fields["dflash.target_layers"].contents() == [1, 2] and b.fields["dflash.block_count"].contents() == 2
     assert b.fields["dflash.attention.sliding_window"].contents() == 16
 
-    deep, *_ = _export(tmp_path / "deep", V, 64, target_layers=[1, 3])  # trained on a deeper target's layer 3
+    # trained on a deeper target's layer 3
+    deep, *_ = _export(tmp_path / "deep", export_random_dsv4, V, 64, target_layers=[1, 3])
     with pytest.raises(ValueError, match="target layer 3; .* has 2 layers"):
         merge_into_checkpoint(deep, target, tmp_path / "merged2")
     bad = json.loads((target / "config.json").read_text())

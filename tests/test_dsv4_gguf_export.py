@@ -22,10 +22,8 @@ import pytest
 import torch
 from launch_helpers import REPO
 
-from draft_model import build_draft
 from draft_model.config import DraftConfig, DSV4Config, MoEConfig
 from pipeline.config import load_config
-from pipeline.export import export_draft
 from serving.dsv4_gguf_export import dsv4_draft_config
 from serving.engine_export import NotServable, check_servable
 
@@ -64,21 +62,12 @@ def test_gguf_config_derives_every_value_from_the_draft_config():
         check_servable(cfg, "deepspec")
 
 
-def _smollm2_export(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """An export of launch/configs/v4-deepseek.yaml's draft resolved on SmolLM2 (random, non-trivial weights)."""
+def _smollm2_export(tmp_path: Path, export) -> tuple[Path, dict[str, torch.Tensor]]:
+    """An export of launch/configs/v4-deepseek.yaml's draft resolved on SmolLM2 (random, non-trivial weights;
+    `export`: the export_random_dsv4 fixture)."""
     run = load_config(REPO / "launch" / "configs" / "v4-deepseek.yaml")
     cfg = replace(run.draft, mask_token_id=3).resolved_for_target(V_SMOL, D_SMOL, 30)
-    frozen = torch.zeros(1, D_SMOL).expand(V_SMOL, D_SMOL)  # not exported: llama.cpp uses the target's
-    model = build_draft(cfg, frozen, frozen)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name.endswith(("attn_sink", "router_bias_E", "w2_RV", "_base")):  # zero at init
-                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    export_draft(state, {"draft": cfg.to_dict(), "target": "smollm2", "format": "dspark-draft-v1"},
-                 tmp_path / "export")
-    return tmp_path / "export", state
+    return tmp_path / "export", export(cfg, tmp_path / "export")
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +82,11 @@ def smollm2_gguf() -> Path:
     return target_gguf
 
 
-def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_path, smollm2_gguf, export_cli):
+def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_path, smollm2_gguf, export_cli,
+                                                                          export_random_dsv4):
     from serve_llamacpp import parse_rounds, speculative_simple
 
-    export, state = _smollm2_export(tmp_path)
+    export, state = _smollm2_export(tmp_path, export_random_dsv4)
     out = tmp_path / "draft.gguf"
     assert export_cli([str(export.parent), "--format", "gguf-dsv4", "--target-gguf", str(smollm2_gguf),
                         "--out", str(out)]) == 0
@@ -124,8 +114,8 @@ def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_pat
     assert len(blocks) >= 2 and all(len(b) == 5 and all(0 <= t < V_SMOL for t in b) for b in blocks), blocks
 
 
-def test_cli_refusals_are_one_error_line(tmp_path, capsys, export_cli):
-    export, _ = _smollm2_export(tmp_path)
+def test_cli_refusals_are_one_error_line(tmp_path, capsys, export_cli, export_random_dsv4):
+    export, _ = _smollm2_export(tmp_path, export_random_dsv4)
     args = [str(export), "--format", "gguf-dsv4", "--out", str(tmp_path / "d.gguf")]
     cases = [(args, "needs --target-gguf"),
              ([*args, "--target-gguf", str(tmp_path / "none.gguf")], "none.gguf not found"),
@@ -143,12 +133,13 @@ def test_cli_refusals_are_one_error_line(tmp_path, capsys, export_cli):
     assert not (tmp_path / "d.gguf").exists()
 
 
-def test_end_of_run_without_a_target_directory_says_why_and_names_the_gguf_command(tmp_path, caplog):
+def test_end_of_run_without_a_target_directory_says_why_and_names_the_gguf_command(tmp_path, caplog,
+                                                                                   export_random_dsv4):
     import logging
 
     from serving.engine_export import export_servable
 
-    export, _ = _smollm2_export(tmp_path)
+    export, _ = _smollm2_export(tmp_path, export_random_dsv4)
     log = logging.getLogger("t.dsv4")
     with caplog.at_level(logging.INFO, logger="t.dsv4"):
         written = export_servable(export, tmp_path / "run", tmp_path / "no-target", "smollm2", log)
