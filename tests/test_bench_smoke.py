@@ -86,6 +86,15 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                    rf"serve engine=llama\.cpp preset=v4-deepseek target=tiny-qwen3-moe "
                                    rf"tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} rounds_equal_T0={NUM} "
                                    rf"fp4_tau_T0={NUM}", 1800),
+    # the draft-quality curve: a 16-prompt data stage, two marks seconds of CPU apart, served by llama.cpp
+    "learning_curve": (["--data-prompts", "16", "--regen-max-new", "32", "--hours", "0.004", "0.008", "--per-set", "1",
+                        "--max-new-tokens", "8", "--work-dir", "{tmp}/work"],
+                       rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine={NUM} "
+                       rf"speedup_T0_engine={NUM} tau_T1_ours={NUM}", 1800),
+    # where a CPU-hour goes: the default run single-process, then on Ray with 1 and 2 trainers (tiny MoE target)
+    "train_cost": (["--steps", "2", "--work-dir", "{tmp}/work", *TINY_MOE],
+                   rf"train_cost cpu_ms_per_token single={NUM} ray1={NUM} ray2={NUM} ratio ray2/single={NUM} "
+                   rf"ray1/single={NUM}", 1200),
     # speculators lives in its own venv (SPEC_VENV, made once here: its transformers pin conflicts with ours)
     "speculators_roundtrip": (["--venv", "{venv}"],
                               rf"speculators_roundtrip variants=4 max_abs_dlogit={SCI} max_abs_dconf={SCI} pass=4/4 "
@@ -136,7 +145,7 @@ def _prepare(name: str, tmp: Path) -> None:
             export_untrained_draft(tmp / d)
     if name == "dsv4_window":
         _export_untrained_dsv4(tmp / "export")
-    if _script(name) == "serve_llamacpp":
+    if _script(name) in ("serve_llamacpp", "learning_curve"):
         import llamacpp
 
         llamacpp.build()

@@ -1,0 +1,247 @@
+"""Draft quality per CPU-hour: the servable DSpark draft for SmolLM2-135M trained on this machine, evaluated at
+0.25, 0.5, 1 and 2 CPU-hours of training in our evaluator and served in llama.cpp.
+
+    python bench/learning_curve.py [--hours 0.25 0.5 1 2] [--data DIR] [--work-dir runs/learning-curve]
+    python bench/learning_curve.py --hours 0.02 0.04 --per-set 1 --max-new-tokens 16   (a smoke run, minutes)
+
+1. Data: the data stage of bench/drafters.py's cpu scale (400 training prompts, never an evaluation prompt, the
+   target's own replies sampled at T = 0.8), or --data, an existing data-stage directory. Its cost is the data
+   stage's and is reported apart: it is paid once per target and shared by every draft trained on it.
+2. Training: launch/train_v4_draft.py --preset servable --single-process with RECIPE (docs/design-notes.md, "Draft
+   quality per CPU-hour"), the feature cache on (data.feature_cache: the first epoch runs the target, every later
+   epoch reads its features back), in segments, one per mark: a segment runs to the step the measured rate says
+   the mark is reached at, exits and exports; the next one resumes its checkpoint with a larger train.max_steps
+   (the cosine is stretched from the restored step, so each mark's draft ends a decay). CPU-hours are the user +
+   system CPU time of the training processes (target forwards, draft steps, start-up and checkpoints; measured with
+   getrusage on the children), kept in <work-dir>/curve.json across re-runs. A segment that stops short of its
+   mark by more than 2 % is followed by another.
+3. At each mark: τ in our evaluator (evaluation/run.evaluate_exports: macro average over HumanEval, GSM8K and
+   MT-Bench held-out prompts, greedy and T = 1); the export written for engines (deepspec), converted by
+   llama.cpp's own converter and decoded greedily by llama-speculative-simple on the same prompts (τ = 1 + accepted
+   / rounds); and llama-server's decode speed with the draft over the target alone, timed back to back on the same
+   prompts (speedup_T0_engine).
+4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png) and a table.
+
+Every stage is cached in --work-dir: a re-run resumes the training from its checkpoint and skips evaluated marks.
+Needs llama.cpp built (python bench/llamacpp.py build). Last line:
+learning_curve cpu_h=H trained_tokens=N tau_T0_ours=A tau_T0_engine=B speedup_T0_engine=S tau_T1_ours=C
+(the last mark's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import llamacpp
+
+REPO = Path(__file__).resolve().parents[1]
+SETS = ["humaneval", "gsm8k", "mtbench"]
+# The servable preset (launch/configs/servable.yaml: dspark-markov, one layer, gamma 5, context layers 2, 15, 27)
+# with the settings chosen for this budget (docs/design-notes.md, "Draft quality per CPU-hour")
+RECIPE = ["data.num_samples=1000000", "data.max_len=448", "data.samples_per_batch=2", "data.anchors_per_seq=32",
+          "train.lr=1e-3", "train.warmup_steps=10", "train.head_lr_scale=10", "train.log_every=50",
+          "checkpoint.every_steps=200", "checkpoint.keep_last=1"]
+FIRST_SEGMENT_STEPS = 30  # the first segment only measures the rate
+SHORT = 0.98  # a segment ending below this share of its mark is followed by another
+
+
+def log(msg: str) -> None:
+    print(f"[learning_curve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    from pipeline.metrics import read_jsonl_metrics
+
+    path = run_dir / "metrics.jsonl"
+    return [r for _, r in sorted(read_jsonl_metrics(path).items())] if path.is_file() else []
+
+
+def train_segment(run_dir: Path, data: Path, cache: Path, max_steps: int, overrides: list[str]) -> float:
+    """Train (or resume) to `max_steps`; the segment's CPU seconds."""
+    cmd = [sys.executable, str(REPO / "launch" / "train_v4_draft.py"), "--preset", "servable", "--single-process",
+           "--run-dir", str(run_dir), "--max-steps", str(max_steps), f"data.source={data}",
+           f"data.feature_cache={cache}", *RECIPE, *overrides]
+    before = children_cpu_s()
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return children_cpu_s() - before
+
+
+def train_to(state: dict, mark_h: float, run_dir: Path, data: Path, cache: Path, overrides: list[str], save) -> None:
+    """Segments until the training's CPU time reaches `mark_h` CPU-hours (within SHORT)."""
+    while state["cpu_s"] < SHORT * mark_h * 3600:
+        done = state["steps"]
+        if done == 0:
+            target = FIRST_SEGMENT_STEPS
+        else:
+            rate = state["last_rate"]  # steps per CPU second of the last segment (the cached epochs are faster)
+            target = done + max(1, round(rate * (mark_h * 3600 - state["cpu_s"])))
+        t0 = time.time()
+        cpu = train_segment(run_dir, data, cache, target, overrides)
+        rows = metrics(run_dir)
+        steps = rows[-1]["step"] if rows else target
+        state["cpu_s"] += cpu
+        state["last_rate"] = (steps - done) / cpu
+        state["steps"] = steps
+        save()
+        log(f"trained to step {steps}: {state['cpu_s'] / 3600:.3f} CPU-h ({cpu:.0f} CPU-s in {time.time() - t0:.0f} s"
+            f" wall), tau_est {rows[-1].get('tau_est', float('nan')):.3f}" if rows else f"trained to step {steps}")
+
+
+def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> tuple[float, float, float, float]:
+    """(τ llama.cpp greedy, speed-up, tok/s alone, tok/s with the draft) of `export` served by llama.cpp."""
+    from serve_llamacpp import engine_rounds, server_speed
+
+    from serving.engine_export import target_facts, write_engine_export
+    from workers.target.model import resolve_target_path
+
+    target_dir = resolve_target_path("smollm2")
+    deepspec = write_engine_export(export, "deepspec", work / "deepspec", target_facts(target_dir, "smollm2"))
+    gamma = json.loads((deepspec / "config.json").read_text())["block_size"]
+    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
+    if not target_gguf.is_file():
+        llamacpp.convert(target_dir, target_gguf)
+    draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
+    rounds = engine_rounds(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
+    tau = 1 + sum(a for p in rounds for a, _ in p) / max(1, sum(len(p) for p in rounds))
+    base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
+    spec = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
+    return tau, spec / base, base, spec
+
+
+def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items) -> dict:
+    import logging
+
+    from evaluation.report import tau_table
+    from evaluation.run import evaluate_exports
+
+    results = evaluate_exports({name: export}, "smollm2", SETS, per_set, max_new, [0.0, 1.0], work / "eval", "cpu",
+                               logging.getLogger("learning_curve"))
+    _, macro = tau_table(results)
+    tau_e, speedup, base, spec = engine_eval(export, work, items, max_new, threads)
+    return {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)], "tau_T0_engine": tau_e,
+            "speedup_T0_engine": speedup, "tok_s_alone": base, "tok_s_draft": spec}
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "cpu_h", "training CPU-hours"), (axes[1], "trained_tokens", "trained tokens")):
+        x = [p[key] for p in points]
+        for field, style in (("tau_T0_ours", "o-"), ("tau_T0_engine", "s--"), ("tau_T1_ours", "^-")):
+            ax.plot(x, [p[field] for p in points], style, label=field)
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("τ (tokens per round)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("servable DSpark draft for SmolLM2-135M, trained on this CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hours", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="training CPU-hour marks")
+    p.add_argument("--data", default=None, help="a data-stage directory (default: bench/drafters.py's, made here)")
+    p.add_argument("--data-prompts", type=int, default=None,
+                   help="training prompts the data stage regenerates (default: bench/drafters.py's cpu scale, 400)")
+    p.add_argument("--regen-max-new", type=int, default=None, help="the data stage's reply budget (default 256)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="run-config overrides after RECIPE (a recipe experiment), e.g. train.lr=2e-3")
+    p.add_argument("--work-dir", default=str(REPO / "runs" / "learning-curve"))
+    p.add_argument("--per-set", type=int, default=4, help="held-out prompts per set (HumanEval, GSM8K, MT-Bench)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    args = p.parse_args(argv)
+    marks = sorted(args.hours)
+    if marks[0] <= 0:
+        sys.exit(f"error: --hours must be positive, got {marks[0]}")
+    for b in ("llama-server", "llama-speculative-simple"):
+        if not llamacpp.binary(b).is_file():
+            sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.data:
+        data = Path(args.data)
+        if not (data / "progress.json").is_file():
+            sys.exit(f"error: --data {data} is not a data-stage directory (no progress.json)")
+    else:
+        import logging
+
+        from drafters import SCALES, stage_data
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        scale = dict(SCALES["cpu"])
+        if args.data_prompts is not None:
+            scale["train_prompts"] = args.data_prompts
+            scale["regen_ray"] = args.data_prompts >= 64  # Ray's start costs more than it saves on a few prompts
+        if args.regen_max_new is not None:
+            scale["regen_max_new"] = args.regen_max_new
+        data = stage_data(work, scale, logging.getLogger("learning_curve"))
+    state_path = work / "curve.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {"cpu_s": 0.0, "steps": 0, "points": {}}
+
+    def save() -> None:
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(state_path)
+
+    from serve_llamacpp import prompts
+
+    from workers.target.model import load_tokenizer, resolve_target_path
+
+    items = prompts(args.per_set, load_tokenizer(resolve_target_path("smollm2")))
+    run_dir = work / "run"
+    for h in marks:
+        key = f"{h:g}"
+        if key in state["points"]:
+            log(f"mark {key} CPU-h: cached")
+            continue
+        train_to(state, h, run_dir, data, work / "feature-cache", args.set, save)
+        mark_dir = work / "marks" / key
+        if mark_dir.exists():
+            shutil.rmtree(mark_dir)
+        mark_dir.mkdir(parents=True)
+        export = shutil.copytree(run_dir / "export", mark_dir / "export")
+        rows = metrics(run_dir)
+        point = {"cpu_h": state["cpu_s"] / 3600, "steps": state["steps"],
+                 "trained_tokens": int(sum(r.get("trained_tokens", 0) for r in rows))}
+        log(f"mark {key}: evaluating the draft at step {point['steps']} ({point['cpu_h']:.3f} CPU-h)")
+        t0 = time.time()
+        point.update(evaluate_mark(f"h{key}", export, mark_dir, args.per_set, args.max_new_tokens, args.threads,
+                                   items))
+        log(f"mark {key}: {json.dumps({k: round(v, 4) for k, v in point.items()})} ({time.time() - t0:.0f} s)")
+        state["points"][key] = point
+        save()
+    points = [state["points"][f"{h:g}"] for h in marks]
+    plot(points, work / "learning_curve.png")
+    print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'speed-up':>10}{'τ T1 ours':>11}")
+    for pt in points:
+        print(f"{pt['cpu_h']:>7.3f}{pt['steps']:>7}{pt['trained_tokens']:>10}{pt['tau_T0_ours']:>11.3f}"
+              f"{pt['tau_T0_engine']:>12.3f}{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
+    last = points[-1]
+    print(f"learning_curve cpu_h={last['cpu_h']:.3f} trained_tokens={last['trained_tokens']} "
+          f"tau_T0_ours={last['tau_T0_ours']:.3f} tau_T0_engine={last['tau_T0_engine']:.3f} "
+          f"speedup_T0_engine={last['speedup_T0_engine']:.3f} tau_T1_ours={last['tau_T1_ours']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Where a CPU-hour of training goes: the default run (launch/configs/tiny.yaml) single-process, and on local Ray
+with one and with two DeepSpeed trainers, each launched as a user launches it, one after the other.
+
+    python bench/train_cost.py [--steps 30] [--work-dir runs/train-cost] [--modes single ray1 ray2] [-- OVERRIDES]
+    python bench/train_cost.py --steps 2 OVERRIDES...   (a smoke run)
+
+Each launch is sampled every SAMPLE_S from /proc: every process's user + system CPU time, by role (its command line):
+  driver   the launch script's own process (single-process: the target forward, packing and the draft step too)
+  target   the Ray target worker(s): the target's forward and the features' encoding for the wire
+  service  the feature service actor and the cached-batch tasks: batch order, object-store puts
+  trainer  the Ray Train workers: receiving and decoding features, packing, the draft's forward/backward, the
+           gradients' all-reduce (gloo), the optimizer; DeepSpeed's engine around them
+  ray      Ray's own processes: GCS, raylet, dashboard, log monitor, idle workers, the Train controller
+and the machine's CPU busy time over the launch (/proc/stat, which is why the bench must run alone). Per step, the
+metrics the trainers log split the trainers' time: data_wait_s (rank 0 waiting for its batch), forward_s,
+backward_s and optimizer_s (summed over the ranks). Start-up is the wall time from the launch to the first
+logged step; the steps' wall is the rest up to the last step. Everything is divided by the trained tokens (anchor
+blocks x block positions, `trained_tokens` in the metrics) of the run.
+
+Printed: one table per launch and a comparison; last line:
+train_cost cpu_ms_per_token single=A ray1=B ray2=C ratio ray2/single=R ray1/single=Q
+(machine CPU milliseconds per trained token over the whole launch, start-up included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from launch_helpers import LAUNCH, REPO, quiet_env
+
+SAMPLE_S = 0.25
+MODES = {"single": ["--single-process"], "ray1": ["cluster.num_trainers=1"], "ray2": ["cluster.num_trainers=2"]}
+ROLES = ("driver", "target", "service", "trainer", "ray")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / TICK
+
+
+def proc_cpu(pid: int) -> tuple[float, str] | None:
+    """(user + system CPU seconds of all its threads, command line) of a live process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    rest = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return (int(rest[11]) + int(rest[12])) / TICK, cmd
+
+
+# Ray's own processes, by the name in their command line (the rest: "other")
+RAY_PARTS = ("gcs_server", "raylet", "DashboardAgent", "dashboard", "log_monitor", "runtime_env", "TrainController",
+             "TrainStateActor", "AutoscalingCoordinator", "RunControl", "monitor.py", "default_worker.py", "IDLE")
+
+
+def ray_part(cmd: str) -> str:
+    return next((name for name in RAY_PARTS if name in cmd), "other")
+
+
+def role(pid: int, cmd: str, launch_pid: int) -> str:
+    if pid == launch_pid:
+        return "driver"
+    if "TargetWorker" in cmd or "TargetGroupMember" in cmd:
+        return "target"
+    if "FeatureService" in cmd or "_read_cached" in cmd:
+        return "service"
+    if "RayTrainWorker" in cmd:
+        return "trainer"
+    return "ray"
+
+
+class Sampler(threading.Thread):
+    """Per-role CPU seconds of the processes born after it started (the last value seen for each pid)."""
+
+    def __init__(self, launch_pid: int, metrics: Path):
+        super().__init__(daemon=True)
+        self.launch_pid, self.metrics = launch_pid, metrics
+        self.skip = {int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != launch_pid}
+        self.last: dict[int, tuple[float, str]] = {}
+        self.first_step_t: float | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            self.sample()
+
+    def sample(self) -> None:
+        for p in os.listdir("/proc"):
+            if p.isdigit() and int(p) not in self.skip:
+                got = proc_cpu(int(p))
+                if got is not None:
+                    pid = int(p)
+                    # a role is fixed once seen: Ray renames an idle worker when it takes an actor or task
+                    name = role(pid, got[1], self.launch_pid)
+                    old = self.last.get(pid)
+                    if name == "ray":
+                        name = f"ray:{ray_part(got[1])}"
+                    self.last[pid] = (got[0], old[1] if old is not None and not old[1].startswith("ray") else name)
+        if self.first_step_t is None and self.metrics.is_file() and self.metrics.stat().st_size > 0:
+            self.first_step_t = time.time()
+
+    def by_role(self) -> dict[str, float]:
+        """CPU seconds per role; "ray" also split into "ray:<part>" entries."""
+        out = dict.fromkeys(ROLES, 0.0)
+        for cpu, name in self.last.values():
+            out[name.split(":")[0]] += cpu
+            if name.startswith("ray:"):
+                out[name] = out.get(name, 0.0) + cpu
+        return out
+
+
+def launch(mode: str, run_dir: Path, steps: int, overrides: list[str]) -> dict:
+    flags = [a for a in MODES[mode] if a.startswith("--")]  # options before the dotted overrides (argparse)
+    cmd = [sys.executable, str(LAUNCH), "--run-dir", str(run_dir), "--max-steps", str(steps), "--fresh", *flags,
+           "train.log_every=1000", "checkpoint.every_steps=1000", *(a for a in MODES[mode] if a not in flags),
+           *overrides]
+    busy0, t0 = machine_busy_s(), time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    sampler = Sampler(proc.pid, run_dir / "metrics.jsonl")
+    sampler.start()
+    _, err = proc.communicate()
+    sampler.stop.set()
+    sampler.join()
+    wall, busy = time.time() - t0, machine_busy_s() - busy0
+    if proc.returncode != 0:
+        sys.exit(f"error: {mode} launch failed (exit {proc.returncode}):\n{err[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tokens = sum(r["trained_tokens"] for r in rows)
+    phases = {k: sum(r[k] for r in rows) for k in ("step_time_s", "data_wait_s", "forward_s", "backward_s",
+                                                  "optimizer_s")}
+    startup = (sampler.first_step_t or t0) - t0 - rows[0]["step_time_s"]
+    return {"mode": mode, "wall_s": wall, "startup_s": startup, "machine_cpu_s": busy, "tokens": tokens,
+            "steps": len(rows), "roles": sampler.by_role(), "phases": phases}
+
+
+def table(r: dict) -> str:
+    ms = 1000 / r["tokens"]
+    lines = [f"{r['mode']}: {r['steps']} steps, {r['tokens']:.0f} trained tokens, wall {r['wall_s']:.0f} s "
+             f"(start-up {r['startup_s']:.0f} s), machine CPU {r['machine_cpu_s']:.0f} s = "
+             f"{r['machine_cpu_s'] * ms:.1f} ms/token",
+             "  CPU by role (ms/token): " + "  ".join(f"{k} {r['roles'][k] * ms:.1f}" for k in ROLES),
+             "  of which Ray's own processes: " + "  ".join(
+                 f"{k[4:]} {v * ms:.1f}" for k, v in sorted(r["roles"].items())
+                 if k.startswith("ray:") and v * ms >= 0.05),
+             "  trainer phases (s summed over steps; ms/token): " + "  ".join(
+                 f"{k.removesuffix('_s')} {v:.1f} ({v * ms:.1f})" for k, v in r["phases"].items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--work-dir", default=str(REPO / "runs" / "train-cost"))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("overrides", nargs="*", help="dotted run-config overrides for every launch, e.g. train.lr=3e-4")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        sys.exit(f"error: --steps must be at least 2 (the first step's start-up is split from the rest), got "
+                 f"{args.steps}")
+    work = Path(args.work_dir)
+    results = {}
+    for mode in args.modes:
+        run_dir = work / mode
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)
+        print(f"[train_cost] launching {mode} ({args.steps} steps)", flush=True)
+        results[mode] = launch(mode, run_dir, args.steps, args.overrides)
+        print(table(results[mode]), flush=True)
+    (work / "train_cost.json").write_text(json.dumps(results, indent=1))
+    per = {m: r["machine_cpu_s"] * 1000 / r["tokens"] for m, r in results.items()}
+    base = per.get("single")
+    ratios = " ".join(f"ratio {m}/single={per[m] / base:.2f}" if i == 0 else f"{m}/single={per[m] / base:.2f}"
+                      for i, m in enumerate(m for m in ("ray2", "ray1") if m in per)) if base else ""
+    print("train_cost cpu_ms_per_token " + " ".join(f"{m}={v:.1f}" for m, v in per.items())
+          + (f" {ratios}" if ratios else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
