@@ -20,7 +20,8 @@
    llama.cpp's own converter and decoded greedily by llama-speculative-simple on the same prompts (τ = 1 + accepted
    / rounds); and llama-server's decode speed with the draft over the target alone, timed back to back on the same
    prompts (speedup_T0_engine).
-4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png) and a table.
+4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
+   heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
 
 Every stage is cached in --work-dir: a re-run resumes the training from its checkpoint and skips evaluated marks.
 Needs llama.cpp built (python bench/llamacpp.py build). Last line:
@@ -134,6 +135,29 @@ def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: in
             "speedup_T0_engine": speedup, "tok_s_alone": base, "tok_s_draft": spec}
 
 
+def extrapolate(points: list[dict]) -> str:
+    """Where the curve heads: τ_T0_engine - 1 fitted as a·ln(CPU-h) + b over the marks, and the CPU-hours at
+    which it reaches break-even, the τ at which a round (draft + verification) costs what τ tokens of the target
+    alone do: τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens)."""
+    import math
+
+    if len(points) < 2:
+        return "extrapolation: needs two marks or more"
+    xs = [math.log(p["cpu_h"]) for p in points]
+    ys = [p["tau_T0_engine"] - 1 for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    b = my - a * mx
+    last = points[-1]
+    breakeven = last["tau_T0_engine"] / last["speedup_T0_engine"]
+    line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "
+            f"tau {breakeven:.2f} (a round costs {breakeven:.2f} target-alone tokens at the last mark)")
+    if a <= 0:
+        return line + "; no rising trend to extrapolate"
+    return line + f"; reached at about {math.exp((breakeven - 1 - b) / a):.3g} CPU-h if the trend held"
+
+
 def plot(points: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -236,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     for pt in points:
         print(f"{pt['cpu_h']:>7.3f}{pt['steps']:>7}{pt['trained_tokens']:>10}{pt['tau_T0_ours']:>11.3f}"
               f"{pt['tau_T0_engine']:>12.3f}{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
+    print(extrapolate(points))
     last = points[-1]
     print(f"learning_curve cpu_h={last['cpu_h']:.3f} trained_tokens={last['trained_tokens']} "
           f"tau_T0_ours={last['tau_T0_ours']:.3f} tau_T0_engine={last['tau_T0_engine']:.3f} "

@@ -14,7 +14,8 @@ Each launch is sampled every SAMPLE_S from /proc: every process's user + system 
 and the machine's CPU busy time over the launch (/proc/stat, which is why the bench must run alone). Per step, the
 metrics the trainers log split the trainers' time: data_wait_s (rank 0 waiting for its batch), forward_s,
 backward_s and optimizer_s (summed over the ranks). Start-up is the wall time from the launch to the first
-logged step; the steps' wall is the rest up to the last step. Everything is divided by the trained tokens (anchor
+logged step, less that step; "after the first step" is the machine CPU from the first logged step to the end
+(the later steps, the export, the shutdown) over the tokens of those steps. Everything is divided by the trained tokens (anchor
 blocks x block positions, `trained_tokens` in the metrics) of the run.
 
 Printed: one table per launch and a comparison; last line:
@@ -91,6 +92,7 @@ class Sampler(threading.Thread):
         self.skip = {int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != launch_pid}
         self.last: dict[int, tuple[float, str]] = {}
         self.first_step_t: float | None = None
+        self.first_step_busy: float | None = None  # the machine's CPU busy time then
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -110,7 +112,7 @@ class Sampler(threading.Thread):
                         name = f"ray:{ray_part(got[1])}"
                     self.last[pid] = (got[0], old[1] if old is not None and not old[1].startswith("ray") else name)
         if self.first_step_t is None and self.metrics.is_file() and self.metrics.stat().st_size > 0:
-            self.first_step_t = time.time()
+            self.first_step_t, self.first_step_busy = time.time(), machine_busy_s()
 
     def by_role(self) -> dict[str, float]:
         """CPU seconds per role; "ray" also split into "ray:<part>" entries."""
@@ -143,7 +145,10 @@ def launch(mode: str, run_dir: Path, steps: int, overrides: list[str]) -> dict:
     phases = {k: sum(r[k] for r in rows) for k in ("step_time_s", "data_wait_s", "forward_s", "backward_s",
                                                   "optimizer_s")}
     startup = (sampler.first_step_t or t0) - t0 - rows[0]["step_time_s"]
+    # after the first step: the steady state (steps 2.., the export and the shutdown)
+    steady_cpu = busy0 + busy - (sampler.first_step_busy or busy0)
     return {"mode": mode, "wall_s": wall, "startup_s": startup, "machine_cpu_s": busy, "tokens": tokens,
+            "steady_cpu_s": steady_cpu, "steady_tokens": tokens - rows[0]["trained_tokens"],
             "steps": len(rows), "roles": sampler.by_role(), "phases": phases}
 
 
@@ -151,7 +156,8 @@ def table(r: dict) -> str:
     ms = 1000 / r["tokens"]
     lines = [f"{r['mode']}: {r['steps']} steps, {r['tokens']:.0f} trained tokens, wall {r['wall_s']:.0f} s "
              f"(start-up {r['startup_s']:.0f} s), machine CPU {r['machine_cpu_s']:.0f} s = "
-             f"{r['machine_cpu_s'] * ms:.1f} ms/token",
+             f"{r['machine_cpu_s'] * ms:.1f} ms/token; after the first step "
+             f"{r['steady_cpu_s'] * 1000 / max(1, r['steady_tokens']):.1f} ms/token",
              "  CPU by role (ms/token): " + "  ".join(f"{k} {r['roles'][k] * ms:.1f}" for k in ROLES),
              "  of which Ray's own processes: " + "  ".join(
                  f"{k[4:]} {v * ms:.1f}" for k, v in sorted(r["roles"].items())
