@@ -2,7 +2,8 @@
 0.25, 0.5, 1 and 2 CPU-hours of training in our evaluator and served in llama.cpp.
 
     python bench/learning_curve.py [--hours 0.25 0.5 1 2] [--data DIR] [--work-dir runs/learning-curve]
-    python bench/learning_curve.py --hours 0.02 0.04 --per-set 1 --max-new-tokens 16   (a smoke run, minutes)
+    python bench/learning_curve.py --hours 0.02 0.04 --first-steps 4 --data-prompts 16 --regen-max-new 32 \
+        --per-set 1 --max-new-tokens 16 --work-dir runs/learning-curve-smoke   (a smoke run, minutes)
 
 1. Data: the data stage of bench/drafters.py's cpu scale (400 training prompts, never an evaluation prompt, the
    target's own replies sampled at T = 0.8), or --data, an existing data-stage directory. Its cost is the data
@@ -10,16 +11,20 @@
 2. Training: launch/train_v4_draft.py --preset servable --single-process with RECIPE (docs/design-notes.md, "Draft
    quality per CPU-hour"), the feature cache on (data.feature_cache: the first epoch runs the target, every later
    epoch reads its features back), in segments, one per mark: a segment runs to the step the measured rate says
-   the mark is reached at, exits and exports; the next one resumes its checkpoint with a larger train.max_steps
-   (the cosine is stretched from the restored step, so each mark's draft ends a decay). CPU-hours are the user +
+   the mark is reached at, exits and exports; the next one resumes its checkpoint with a larger train.max_steps.
+   The learning rate therefore restarts at each segment: the resumed cosine is computed over the new total, so it
+   jumps from its floor back to the value at the restored step and decays to the floor again by the segment's end
+   (each mark's draft ends a decay, like a run of that length; a cosine with warm restarts, not one cosine over
+   the longest budget). Each segment pays the trainer's start-up again. CPU-hours are the user +
    system CPU time of the training processes (target forwards, draft steps, start-up and checkpoints; measured with
-   getrusage on the children), kept in <work-dir>/curve.json across re-runs. A segment that stops short of its
-   mark by more than 2 % is followed by another.
+   getrusage on the children; the trainer runs with CUDA hidden), kept in <work-dir>/curve.json across re-runs,
+   an interrupted segment's included (Ctrl-C or SIGTERM reach the trainer, which checkpoints first). A segment that
+   stops short of its mark by more than 2 % is followed by another. The data stage's time is printed apart.
 3. At each mark: τ in our evaluator (evaluation/run.evaluate_exports: macro average over HumanEval, GSM8K and
    MT-Bench held-out prompts, greedy and T = 1); the export written for engines (deepspec), converted by
    llama.cpp's own converter and decoded greedily by llama-speculative-simple on the same prompts (τ = 1 + accepted
-   / rounds); and llama-server's decode speed with the draft over the target alone, timed back to back on the same
-   prompts (speedup_T0_engine).
+   / rounds per set, macro-averaged as ours; pooled over all rounds for the break-even); and llama-server's decode
+   speed with the draft over the target alone, timed back to back on the same prompts (speedup_T0_engine).
 4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
    heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
 
@@ -33,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,7 +56,7 @@ SETS = ["humaneval", "gsm8k", "mtbench"]
 RECIPE = ["data.num_samples=1000000", "data.max_len=448", "data.samples_per_batch=2", "data.anchors_per_seq=32",
           "train.lr=1e-3", "train.warmup_steps=10", "train.head_lr_scale=10", "train.log_every=50",
           "checkpoint.every_steps=200", "checkpoint.keep_last=1"]
-FIRST_SEGMENT_STEPS = 30  # the first segment only measures the rate
+FIRST_SEGMENT_STEPS = 30  # the first segment only measures the rate (--first-steps)
 SHORT = 0.98  # a segment ending below this share of its mark is followed by another
 
 
@@ -69,39 +76,76 @@ def metrics(run_dir: Path) -> list[dict]:
     return [r for _, r in sorted(read_jsonl_metrics(path).items())] if path.is_file() else []
 
 
-def train_segment(run_dir: Path, data: Path, cache: Path, max_steps: int, overrides: list[str]) -> float:
-    """Train (or resume) to `max_steps`; the segment's CPU seconds."""
+def latest_step(run_dir: Path) -> int:
+    """The step of the run's latest committed checkpoint (0: none), what the next segment resumes from."""
+    from workers.trainer.checkpoint import CheckpointManager
+
+    path = CheckpointManager(run_dir).latest() if (run_dir / "checkpoints").is_dir() else None
+    return json.loads((Path(path) / "meta.json").read_text())["step"] if path is not None else 0
+
+
+def train_segment(run_dir: Path, data: Path, cache: Path, max_steps: int, overrides: list[str], state: dict,
+                  save) -> None:
+    """Train (or resume) to `max_steps` on the CPU, adding the segment's CPU seconds to state["cpu_s"] however it
+    ends: an interrupt (Ctrl-C, SIGTERM to this script) is passed on to the trainer, which checkpoints at its next
+    step and exits, and the CPU it spent is counted before this script stops."""
     cmd = [sys.executable, str(REPO / "launch" / "train_v4_draft.py"), "--preset", "servable", "--single-process",
            "--run-dir", str(run_dir), "--max-steps", str(max_steps), f"data.source={data}",
            f"data.feature_cache={cache}", *RECIPE, *overrides]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU-hours: the trainer must not find a GPU
     before = children_cpu_s()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return children_cpu_s() - before
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:  # the trainer got the same SIGINT (same process group): let it checkpoint
+                log("interrupted: waiting for the trainer to checkpoint (a second Ctrl-C stops it at once)")
+                try:
+                    rc = proc.wait()
+                except KeyboardInterrupt:
+                    proc.kill()
+                    rc = proc.wait()
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        state["cpu_s"] += children_cpu_s() - before
+        save()
+    if rc != 0:
+        sys.exit(f"error: training stopped with exit status {rc} ({state['cpu_s'] / 3600:.3f} CPU-h counted; "
+                 f"re-run the same command to resume)")
 
 
 def train_to(state: dict, mark_h: float, run_dir: Path, data: Path, cache: Path, overrides: list[str], save) -> None:
     """Segments until the training's CPU time reaches `mark_h` CPU-hours (within SHORT)."""
     while state["cpu_s"] < SHORT * mark_h * 3600:
-        done = state["steps"]
+        done = latest_step(run_dir)
+        if done != state["steps"]:
+            log(f"the run's latest checkpoint is step {done}, curve.json says {state['steps']}: resuming from step "
+                f"{done} (CPU time of a segment that was killed outright is not in the count)")
         if done == 0:
-            target = FIRST_SEGMENT_STEPS
+            target = state["first_steps"]
         else:
             rate = state["last_rate"]  # steps per CPU second of the last segment (the cached epochs are faster)
             target = done + max(1, round(rate * (mark_h * 3600 - state["cpu_s"])))
-        t0 = time.time()
-        cpu = train_segment(run_dir, data, cache, target, overrides)
-        rows = metrics(run_dir)
-        steps = rows[-1]["step"] if rows else target
-        state["cpu_s"] += cpu
-        state["last_rate"] = (steps - done) / cpu
+        t0, cpu0 = time.time(), state["cpu_s"]
+        train_segment(run_dir, data, cache, target, overrides, state, save)
+        steps = latest_step(run_dir)
+        cpu = state["cpu_s"] - cpu0
+        state["last_rate"] = max(steps - done, 1) / max(cpu, 1e-9)
         state["steps"] = steps
         save()
+        rows = metrics(run_dir)
+        tau = rows[-1].get("tau_est", float("nan")) if rows else float("nan")
         log(f"trained to step {steps}: {state['cpu_s'] / 3600:.3f} CPU-h ({cpu:.0f} CPU-s in {time.time() - t0:.0f} s"
-            f" wall), tau_est {rows[-1].get('tau_est', float('nan')):.3f}" if rows else f"trained to step {steps}")
+            f" wall), tau_est {tau:.3f}")
 
 
-def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> tuple[float, float, float, float]:
-    """(τ llama.cpp greedy, speed-up, tok/s alone, tok/s with the draft) of `export` served by llama.cpp."""
+def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> dict:
+    """`export` served by llama.cpp: greedy τ per set and their macro average (as our evaluator averages), τ over
+    all rounds pooled (what the speed sees), and llama-server's decode speed with and without the draft."""
     from serve_llamacpp import engine_rounds, server_speed
 
     from serving.engine_export import target_facts, write_engine_export
@@ -115,10 +159,17 @@ def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> 
         llamacpp.convert(target_dir, target_gguf)
     draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
     rounds = engine_rounds(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
-    tau = 1 + sum(a for p in rounds for a, _ in p) / max(1, sum(len(p) for p in rounds))
+
+    def tau(prompts) -> float:
+        return 1 + sum(a for p in prompts for a, _ in p) / max(1, sum(len(p) for p in prompts))
+
+    by_set = {ds: tau([r for (name, _, _), r in zip(items, rounds, strict=True) if name == ds])
+              for ds in dict.fromkeys(name for name, _, _ in items)}
     base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
     spec = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
-    return tau, spec / base, base, spec
+    return {"tau_T0_engine": sum(by_set.values()) / len(by_set), "tau_T0_engine_sets": by_set,
+            "tau_T0_engine_pooled": tau(rounds), "speedup_T0_engine": spec / base, "tok_s_alone": base,
+            "tok_s_draft": spec}
 
 
 def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items) -> dict:
@@ -130,15 +181,14 @@ def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: in
     results = evaluate_exports({name: export}, "smollm2", SETS, per_set, max_new, [0.0, 1.0], work / "eval", "cpu",
                                logging.getLogger("learning_curve"))
     _, macro = tau_table(results)
-    tau_e, speedup, base, spec = engine_eval(export, work, items, max_new, threads)
-    return {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)], "tau_T0_engine": tau_e,
-            "speedup_T0_engine": speedup, "tok_s_alone": base, "tok_s_draft": spec}
+    return {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)],
+            **engine_eval(export, work, items, max_new, threads)}
 
 
 def extrapolate(points: list[dict]) -> str:
     """Where the curve heads: τ_T0_engine - 1 fitted as a·ln(CPU-h) + b over the marks, and the CPU-hours at
     which it reaches break-even, the τ at which a round (draft + verification) costs what τ tokens of the target
-    alone do: τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens)."""
+    alone do: pooled τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens)."""
     import math
 
     if len(points) < 2:
@@ -150,9 +200,11 @@ def extrapolate(points: list[dict]) -> str:
     a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
     b = my - a * mx
     last = points[-1]
-    breakeven = last["tau_T0_engine"] / last["speedup_T0_engine"]
+    breakeven = last["tau_T0_engine_pooled"] / last["speedup_T0_engine"]
     line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "
             f"tau {breakeven:.2f} (a round costs {breakeven:.2f} target-alone tokens at the last mark)")
+    if last["speedup_T0_engine"] > 1:
+        return line + "; already past it"
     if a <= 0:
         return line + "; no rising trend to extrapolate"
     return line + f"; reached at about {math.exp((breakeven - 1 - b) / a):.3g} CPU-h if the trend held"
@@ -193,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-set", type=int, default=4, help="held-out prompts per set (HumanEval, GSM8K, MT-Bench)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--first-steps", type=int, default=FIRST_SEGMENT_STEPS,
+                   help="steps of the first segment, which measures the rate (default %(default)s)")
     args = p.parse_args(argv)
     marks = sorted(args.hours)
     if marks[0] <= 0:
@@ -219,8 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.regen_max_new is not None:
             scale["regen_max_new"] = args.regen_max_new
         data = stage_data(work, scale, logging.getLogger("learning_curve"))
+    if (data / "bench_wall.json").is_file():
+        log(f"data stage {data}: {json.loads((data / 'bench_wall.json').read_text())['seconds'] / 60:.0f} min wall "
+            f"(paid once per target, shared by every draft trained on it; not in the CPU-hours below)")
+    # what the points depend on besides the training: a re-run with other settings would mix two curves
+    settings = {"data": str(data.resolve()), "set": args.set, "per_set": args.per_set,
+                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "recipe": RECIPE}
     state_path = work / "curve.json"
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {"cpu_s": 0.0, "steps": 0, "points": {}}
+    state = (json.loads(state_path.read_text()) if state_path.is_file() else
+             {"cpu_s": 0.0, "steps": 0, "points": {}, "settings": settings, "first_steps": args.first_steps})
+    if state["settings"] != settings:
+        sys.exit(f"error: {state_path} was made with other settings ({state['settings']}); use another --work-dir")
 
     def save() -> None:
         tmp = state_path.with_suffix(".tmp")
@@ -238,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         if key in state["points"]:
             log(f"mark {key} CPU-h: cached")
             continue
+        if state["cpu_s"] > 1.1 * h * 3600:
+            sys.exit(f"error: --hours {key}: the run is already at {state['cpu_s'] / 3600:.3f} CPU-h (a mark can only "
+                     f"be added past the last one; use another --work-dir for a new curve)")
         train_to(state, h, run_dir, data, work / "feature-cache", args.set, save)
         mark_dir = work / "marks" / key
         if mark_dir.exists():
@@ -251,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         point.update(evaluate_mark(f"h{key}", export, mark_dir, args.per_set, args.max_new_tokens, args.threads,
                                    items))
-        log(f"mark {key}: {json.dumps({k: round(v, 4) for k, v in point.items()})} ({time.time() - t0:.0f} s)")
+        log(f"mark {key}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()})
+            + f" ({time.time() - t0:.0f} s)")
         state["points"][key] = point
         save()
     points = [state["points"][f"{h:g}"] for h in marks]

@@ -86,9 +86,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                    rf"serve engine=llama\.cpp preset=v4-deepseek target=tiny-qwen3-moe "
                                    rf"tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} rounds_equal_T0={NUM} "
                                    rf"fp4_tau_T0={NUM}", 1800),
-    # the draft-quality curve: a 16-prompt data stage, two marks seconds of CPU apart, served by llama.cpp
-    "learning_curve": (["--data-prompts", "16", "--regen-max-new", "32", "--hours", "0.004", "0.008", "--per-set", "1",
-                        "--max-new-tokens", "8", "--work-dir", "{tmp}/work"],
+    # the draft-quality curve: a 16-prompt data stage, two marks 36 CPU-s apart (a 2-step first segment, then at
+    # least one resumed one), served by llama.cpp
+    "learning_curve": (["--data-prompts", "16", "--regen-max-new", "32", "--hours", "0.01", "0.02", "--first-steps",
+                        "2", "--per-set", "1", "--max-new-tokens", "8", "--work-dir", "{tmp}/work"],
                        rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine={NUM} "
                        rf"speedup_T0_engine={NUM} tau_T1_ours={NUM}", 1800),
     # where a CPU-hour goes: the default run single-process, then on Ray with 1 and 2 trainers (tiny MoE target)
