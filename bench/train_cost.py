@@ -15,8 +15,10 @@ and the machine's CPU busy time over the launch (/proc/stat, which is why the be
 metrics the trainers log split the trainers' time: data_wait_s (rank 0 waiting for its batch), forward_s,
 backward_s and optimizer_s (summed over the ranks). Start-up is the wall time from the launch to the first
 logged step, less that step; "after the first step" is the machine CPU from the first logged step to the end
-(the later steps, the export, the shutdown) over the tokens of those steps. Everything is divided by the trained tokens (anchor
-blocks x block positions, `trained_tokens` in the metrics) of the run.
+(the later steps, the export, the shutdown) over the tokens of those steps. Everything is divided by the trained
+tokens (anchor blocks x block positions, `trained_tokens` in the metrics) of the run. Launches start once the
+machine is idle again; what no role claims (processes shorter than a sample, CPU after a process's last sample,
+other processes on the machine) is printed as "unattributed".
 
 Printed: one table per launch and a comparison; last line:
 train_cost cpu_ms_per_token single=A ray1=B ray2=C ratio ray2/single=R ray1/single=Q
@@ -45,8 +47,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / TICK
+    # user, nice, system, irq, softirq: not idle, iowait, or steal (another VM's time on this host)
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / TICK
 
 
 def proc_cpu(pid: int) -> tuple[float, str] | None:
@@ -94,10 +96,14 @@ class Sampler(threading.Thread):
         self.first_step_t: float | None = None
         self.first_step_busy: float | None = None  # the machine's CPU busy time then
         self.stop = threading.Event()
+        self.own_cpu_s = 0.0
 
     def run(self) -> None:
+        t0 = time.thread_time()
         while not self.stop.wait(SAMPLE_S):
             self.sample()
+        self.sample()  # once more after the launch ended: what its last processes used since the previous sample
+        self.own_cpu_s = time.thread_time() - t0  # the sampler's own CPU, inside the machine's figure
 
     def sample(self) -> None:
         for p in os.listdir("/proc"):
@@ -144,12 +150,27 @@ def launch(mode: str, run_dir: Path, steps: int, overrides: list[str]) -> dict:
     tokens = sum(r["trained_tokens"] for r in rows)
     phases = {k: sum(r[k] for r in rows) for k in ("step_time_s", "data_wait_s", "forward_s", "backward_s",
                                                   "optimizer_s")}
-    startup = (sampler.first_step_t or t0) - t0 - rows[0]["step_time_s"]
-    # after the first step: the steady state (steps 2.., the export and the shutdown)
-    steady_cpu = busy0 + busy - (sampler.first_step_busy or busy0)
+    if sampler.first_step_t is None:  # the run ended before a sample saw its first step: no split
+        startup = steady_cpu = float("nan")
+    else:
+        startup = sampler.first_step_t - t0 - rows[0]["step_time_s"]
+        # after the first step: the steady state (steps 2.., the export and the shutdown)
+        steady_cpu = busy0 + busy - sampler.first_step_busy
     return {"mode": mode, "wall_s": wall, "startup_s": startup, "machine_cpu_s": busy, "tokens": tokens,
             "steady_cpu_s": steady_cpu, "steady_tokens": tokens - rows[0]["trained_tokens"],
-            "steps": len(rows), "roles": sampler.by_role(), "phases": phases}
+            "steps": len(rows), "roles": sampler.by_role(), "phases": phases, "sampler_cpu_s": sampler.own_cpu_s}
+
+
+def settle(timeout_s: float = 60) -> None:
+    """Wait until the machine is idle (the previous launch's Ray processes gone): < 0.1 core busy over a second."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        b0 = machine_busy_s()
+        time.sleep(1.0)
+        if machine_busy_s() - b0 < 0.1:
+            return
+    print(f"[train_cost] the machine is still busy after {timeout_s:.0f} s: the next figures include that load",
+          flush=True)
 
 
 def table(r: dict) -> str:
@@ -158,11 +179,14 @@ def table(r: dict) -> str:
              f"(start-up {r['startup_s']:.0f} s), machine CPU {r['machine_cpu_s']:.0f} s = "
              f"{r['machine_cpu_s'] * ms:.1f} ms/token; after the first step "
              f"{r['steady_cpu_s'] * 1000 / max(1, r['steady_tokens']):.1f} ms/token",
-             "  CPU by role (ms/token): " + "  ".join(f"{k} {r['roles'][k] * ms:.1f}" for k in ROLES),
+             "  CPU by role (ms/token): " + "  ".join(f"{k} {r['roles'][k] * ms:.1f}" for k in ROLES)
+             + f"  this sampler {r['sampler_cpu_s'] * ms:.1f}  unattributed "
+             f"{(r['machine_cpu_s'] - sum(r['roles'][k] for k in ROLES) - r['sampler_cpu_s']) * ms:.1f}",
              "  of which Ray's own processes: " + "  ".join(
                  f"{k[4:]} {v * ms:.1f}" for k, v in sorted(r["roles"].items())
                  if k.startswith("ray:") and v * ms >= 0.05),
-             "  trainer phases (s summed over steps; ms/token): " + "  ".join(
+             "  trainer phases, wall s over the steps (ms per token): step and data_wait are rank 0's, forward, "
+             "backward and optimizer summed over the ranks: " + "  ".join(
                  f"{k.removesuffix('_s')} {v:.1f} ({v * ms:.1f})" for k, v in r["phases"].items())]
     return "\n".join(lines)
 
@@ -178,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --steps must be at least 2 (the first step's start-up is split from the rest), got "
                  f"{args.steps}")
     work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
     results = {}
     for mode in args.modes:
         run_dir = work / mode
@@ -185,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(run_dir)
+        settle()
         print(f"[train_cost] launching {mode} ({args.steps} steps)", flush=True)
         results[mode] = launch(mode, run_dir, args.steps, args.overrides)
         print(table(results[mode]), flush=True)
-    (work / "train_cost.json").write_text(json.dumps(results, indent=1))
+        (work / "train_cost.json").write_text(json.dumps(results, indent=1))
     per = {m: r["machine_cpu_s"] * 1000 / r["tokens"] for m, r in results.items()}
     base = per.get("single")
     ratios = " ".join(f"ratio {m}/single={per[m] / base:.2f}" if i == 0 else f"{m}/single={per[m] / base:.2f}"
