@@ -182,12 +182,12 @@ def table(r: dict) -> str:
              "  CPU by role (ms/token): " + "  ".join(f"{k} {r['roles'][k] * ms:.1f}" for k in ROLES)
              + f"  this sampler {r['sampler_cpu_s'] * ms:.1f}  unattributed "
              f"{(r['machine_cpu_s'] - sum(r['roles'][k] for k in ROLES) - r['sampler_cpu_s']) * ms:.1f}",
-             "  of which Ray's own processes: " + "  ".join(
-                 f"{k[4:]} {v * ms:.1f}" for k, v in sorted(r["roles"].items())
-                 if k.startswith("ray:") and v * ms >= 0.05),
              "  trainer phases, wall s over the steps (ms per token): step and data_wait are rank 0's, forward, "
              "backward and optimizer summed over the ranks: " + "  ".join(
                  f"{k.removesuffix('_s')} {v:.1f} ({v * ms:.1f})" for k, v in r["phases"].items())]
+    parts = [f"{k[4:]} {v * ms:.1f}" for k, v in sorted(r["roles"].items()) if k.startswith("ray:") and v * ms >= 0.05]
+    if parts:
+        lines.insert(2, "  of which Ray's own processes: " + "  ".join(parts))
     return "\n".join(lines)
 
 
