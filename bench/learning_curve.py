@@ -146,7 +146,7 @@ def train_to(state: dict, mark_h: float, run_dir: Path, data: Path, cache: Path,
 def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> dict:
     """`export` served by llama.cpp: greedy τ per set and their macro average (as our evaluator averages), τ over
     all rounds pooled (what the speed sees), and llama-server's decode speed with and without the draft."""
-    from serve_llamacpp import engine_rounds, server_speed
+    from serve_llamacpp import engine_rounds, rounds_tau, server_speed
 
     from serving.engine_export import target_facts, write_engine_export
     from workers.target.model import resolve_target_path
@@ -159,16 +159,12 @@ def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> 
         llamacpp.convert(target_dir, target_gguf)
     draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
     rounds = engine_rounds(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
-
-    def tau(prompts) -> float:
-        return 1 + sum(a for p in prompts for a, _ in p) / max(1, sum(len(p) for p in prompts))
-
-    by_set = {ds: tau([r for (name, _, _), r in zip(items, rounds, strict=True) if name == ds])
+    by_set = {ds: rounds_tau([r for (name, _, _), r in zip(items, rounds, strict=True) if name == ds])
               for ds in dict.fromkeys(name for name, _, _ in items)}
     base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
     spec = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
     return {"tau_T0_engine": sum(by_set.values()) / len(by_set), "tau_T0_engine_sets": by_set,
-            "tau_T0_engine_pooled": tau(rounds), "speedup_T0_engine": spec / base, "tok_s_alone": base,
+            "tau_T0_engine_pooled": rounds_tau(rounds), "speedup_T0_engine": spec / base, "tok_s_alone": base,
             "tok_s_draft": spec}
 
 

@@ -275,20 +275,22 @@ def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float
 Rounds = list[list[tuple[int, list[int]]]]
 
 
+def rounds_tau(rounds: Rounds) -> float:
+    """τ = 1 + accepted tokens / rounds, pooled over every round of every prompt."""
+    return 1 + sum(a for p in rounds for a, _ in p) / max(1, sum(len(p) for p in rounds))
+
+
 def compare(eng: Rounds, mine: Rounds, gamma: int) -> tuple[float, float, float]:
     """(τ engine, τ ours, F). F: the share of rounds, walked in order along each prompt's common path, whose
     drafted block and accepted count are the same in both; rounds where the engine drafted fewer than γ tokens
     (the end of the generation budget) are left out."""
-    def tau(rounds: Rounds) -> float:
-        return 1 + sum(a for p in rounds for a, _ in p) / max(1, sum(len(p) for p in rounds))
-
     same = total = 0
     for e, m in zip(eng, mine, strict=True):
         for (a, block), (b, ours_block) in zip(e, m, strict=False):
             if len(block) == gamma:
                 total += 1
                 same += a == b and block == ours_block
-    return tau(eng), tau(mine), same / max(1, total)
+    return rounds_tau(eng), rounds_tau(mine), same / max(1, total)
 
 
 def wrong_conventions(deepspec: Path, work: Path) -> dict[str, Path]:
