@@ -376,10 +376,7 @@ def serve_dsv4(args: argparse.Namespace) -> int:
                                                           TARGET_OVERRIDES[name], "v4-deepseek")
     work = run_dir / f"serve-v4-deepseek{suffix}"
     target_dir = resolve_target_path(name)
-    target_gguf = llamacpp.home() / ("smollm2-135m-f32.gguf" if name == "smollm2" else f"{name}-seed0-f32.gguf")
-    if not target_gguf.is_file():
-        log("converting the target (f32) with llama.cpp's converter")
-        llamacpp.convert(target_dir, target_gguf)
+    target_gguf = llamacpp.target_gguf(name)
     draft_gguf = write_export_gguf(export, work / "draft-v4-deepseek.gguf", target_gguf)
     cfg, state, _ = read_export(export)
     gamma, W = cfg.block_size, cfg.sliding_window
@@ -476,10 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = target_facts(target_dir, "smollm2")
     deepspec = write_engine_export(export, "deepspec", work / "deepspec", facts)
     gamma = json.loads((deepspec / "config.json").read_text())["block_size"]
-    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
-    if not target_gguf.is_file():
-        log("converting the target (f32) with llama.cpp's converter")
-        llamacpp.convert(target_dir, target_gguf)
+    target_gguf = llamacpp.target_gguf("smollm2")
     draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
     items = prompts(args.per_set, load_tokenizer(target_dir))
     log(f"{len(items)} prompts, {args.max_new_tokens} new tokens, gamma {gamma}")

@@ -74,12 +74,7 @@ def _smollm2_export(tmp_path: Path, export) -> tuple[Path, dict[str, torch.Tenso
 def smollm2_gguf() -> Path:
     if not llamacpp.binary("llama-speculative-simple").is_file():
         pytest.skip("llama.cpp not built (python bench/llamacpp.py build)")
-    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
-    if not target_gguf.is_file():
-        from workers.target.model import resolve_target_path
-
-        llamacpp.convert(resolve_target_path("smollm2"), target_gguf)
-    return target_gguf
+    return llamacpp.target_gguf("smollm2")
 
 
 def test_trained_shape_export_loads_in_llama_cpp_and_drafts_gamma_tokens(tmp_path, smollm2_gguf, export_cli,

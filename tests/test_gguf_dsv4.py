@@ -266,11 +266,7 @@ def smollm2_gguf() -> tuple[Path, TargetFacts]:
     """The SmolLM2-135M f32 target GGUF (converted once by llama.cpp's converter) and its facts."""
     if not llamacpp.binary("llama-speculative-simple").is_file():
         pytest.skip("llama.cpp not built (python bench/llamacpp.py build)")
-    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
-    if not target_gguf.is_file():
-        from workers.target.model import resolve_target_path
-
-        llamacpp.convert(resolve_target_path("smollm2"), target_gguf)
+    target_gguf = llamacpp.target_gguf("smollm2")
     return target_gguf, TargetFacts.from_gguf(target_gguf)
 
 
