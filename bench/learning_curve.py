@@ -97,18 +97,15 @@ def train_segment(run_dir: Path, data: Path, cache: Path, max_steps: int, overri
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     try:
-        while True:
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # the trainer got the same SIGINT (same process group): let it checkpoint
+            log("interrupted: waiting for the trainer to checkpoint (a second Ctrl-C stops it at once)")
             try:
                 rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # the trainer got the same SIGINT (same process group): let it checkpoint
-                log("interrupted: waiting for the trainer to checkpoint (a second Ctrl-C stops it at once)")
-                try:
-                    rc = proc.wait()
-                except KeyboardInterrupt:
-                    proc.kill()
-                    rc = proc.wait()
-                break
+            except KeyboardInterrupt:
+                proc.kill()
+                rc = proc.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
         state["cpu_s"] += children_cpu_s() - before
@@ -154,9 +151,7 @@ def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> 
     target_dir = resolve_target_path("smollm2")
     deepspec = write_engine_export(export, "deepspec", work / "deepspec", target_facts(target_dir, "smollm2"))
     gamma = json.loads((deepspec / "config.json").read_text())["block_size"]
-    target_gguf = llamacpp.home() / "smollm2-135m-f32.gguf"
-    if not target_gguf.is_file():
-        llamacpp.convert(target_dir, target_gguf)
+    target_gguf = llamacpp.target_gguf("smollm2")
     draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
     rounds = engine_rounds(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
     by_set = {ds: rounds_tau([r for (name, _, _), r in zip(items, rounds, strict=True) if name == ds])
@@ -187,14 +182,12 @@ def extrapolate(points: list[dict]) -> str:
     alone do: pooled τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens)."""
     import math
 
-    if len(points) < 2:
-        return "extrapolation: needs two marks or more"
+    import numpy as np
+
     xs = [math.log(p["cpu_h"]) for p in points]
-    ys = [p["tau_T0_engine"] - 1 for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    b = my - a * mx
+    if len(set(xs)) < 2:
+        return "extrapolation: needs two marks or more"
+    a, b = np.polyfit(xs, [p["tau_T0_engine"] - 1 for p in points], 1)
     last = points[-1]
     breakeven = last["tau_T0_engine_pooled"] / last["speedup_T0_engine"]
     line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -207,8 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         run_dir = work / mode
         if run_dir.exists():
-            import shutil
-
             shutil.rmtree(run_dir)
         settle()
         print(f"[train_cost] launching {mode} ({args.steps} steps)", flush=True)
@@ -217,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         (work / "train_cost.json").write_text(json.dumps(results, indent=1))
     per = {m: r["machine_cpu_s"] * 1000 / r["tokens"] for m, r in results.items()}
     base = per.get("single")
-    ratios = " ".join(f"ratio {m}/single={per[m] / base:.2f}" if i == 0 else f"{m}/single={per[m] / base:.2f}"
-                      for i, m in enumerate(m for m in ("ray2", "ray1") if m in per)) if base else ""
-    print("train_cost cpu_ms_per_token " + " ".join(f"{m}={v:.1f}" for m, v in per.items())
-          + (f" {ratios}" if ratios else ""))
+    line = "train_cost cpu_ms_per_token " + " ".join(f"{m}={v:.1f}" for m, v in per.items())
+    others = [m for m in ("ray2", "ray1") if m in per]
+    if base and others:
+        line += " ratio " + " ".join(f"{m}/single={per[m] / base:.2f}" for m in others)
+    print(line)
     return 0
 
 
