@@ -4,10 +4,14 @@
     python bench/learning_curve.py [--hours 0.25 0.5 1 2] [--data DIR] [--work-dir runs/learning-curve]
     python bench/learning_curve.py --hours 0.02 0.04 --first-steps 4 --data-prompts 16 --regen-max-new 32 \
         --per-set 1 --max-new-tokens 16 --work-dir runs/learning-curve-smoke   (a smoke run, minutes)
+    python bench/learning_curve.py --hours 0.25 --data default --ours-only --work-dir runs/lc-real  (one arm of a
+        comparison at equal CPU-hours: real text, our evaluator only)
 
 1. Data: the data stage of bench/drafters.py's cpu scale (400 training prompts, never an evaluation prompt, the
    target's own replies sampled at T = 0.8), or --data, an existing data-stage directory. Its cost is the data
    stage's and is reported apart: it is paid once per target and shared by every draft trained on it.
+   --data default trains on real text instead: the embedded corpus (stdlib code + docstring chats), --real-samples
+   rows read in order, which cost no data stage.
 2. Training: launch/train_v4_draft.py --preset servable --single-process with RECIPE (docs/design-notes.md, "Draft
    quality per CPU-hour"), the feature cache on (data.feature_cache: the first epoch runs the target, every later
    epoch reads its features back), in segments, one per mark: a segment runs to the step the measured rate says
@@ -27,6 +31,9 @@
    speed with the draft over the target alone, timed back to back on the same prompts (speedup_T0_engine).
 4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
    heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
+
+--ours-only skips llama.cpp (step 3's engine figures print as nan; the extrapolation fits our τ): for comparing
+recipes and data at equal CPU-hours, where llama.cpp's τ follows ours (docs/design-notes.md).
 
 Every stage is cached in --work-dir: a re-run resumes the training from its checkpoint and skips evaluated marks.
 Needs llama.cpp built (python bench/llamacpp.py build). Last line:
@@ -163,7 +170,8 @@ def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> 
             "tok_s_draft": spec}
 
 
-def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items) -> dict:
+def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items,
+                  engine: bool) -> dict:
     import logging
 
     from evaluation.report import tau_table
@@ -172,14 +180,17 @@ def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: in
     results = evaluate_exports({name: export}, "smollm2", SETS, per_set, max_new, [0.0, 1.0], work / "eval", "cpu",
                                logging.getLogger("learning_curve"))
     _, macro = tau_table(results)
-    return {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)],
-            **engine_eval(export, work, items, max_new, threads)}
+    ours = {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)]}
+    if not engine:
+        return {**ours, "tau_T0_engine": float("nan"), "speedup_T0_engine": float("nan")}
+    return {**ours, **engine_eval(export, work, items, max_new, threads)}
 
 
 def extrapolate(points: list[dict]) -> str:
     """Where the curve heads: τ_T0_engine - 1 fitted as a·ln(CPU-h) + b over the marks, and the CPU-hours at
     which it reaches break-even, the τ at which a round (draft + verification) costs what τ tokens of the target
-    alone do: pooled τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens)."""
+    alone do: pooled τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens).
+    Without engine figures (--ours-only): the fit of τ_T0_ours, and no break-even."""
     import math
 
     import numpy as np
@@ -187,8 +198,12 @@ def extrapolate(points: list[dict]) -> str:
     xs = [math.log(p["cpu_h"]) for p in points]
     if len(set(xs)) < 2:
         return "extrapolation: needs two marks or more"
-    a, b = np.polyfit(xs, [p["tau_T0_engine"] - 1 for p in points], 1)
     last = points[-1]
+    if "tau_T0_engine_pooled" not in last:
+        a, b = np.polyfit(xs, [p["tau_T0_ours"] - 1 for p in points], 1)
+        return (f"extrapolation: tau_T0_ours - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks (no engine "
+                f"figures: no break-even)")
+    a, b = np.polyfit(xs, [p["tau_T0_engine"] - 1 for p in points], 1)
     breakeven = last["tau_T0_engine_pooled"] / last["speedup_T0_engine"]
     line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "
             f"tau {breakeven:.2f} (a round costs {breakeven:.2f} target-alone tokens at the last mark)")
@@ -209,6 +224,8 @@ def plot(points: list[dict], path: Path) -> None:
     for ax, key, label in ((axes[0], "cpu_h", "training CPU-hours"), (axes[1], "trained_tokens", "trained tokens")):
         x = [p[key] for p in points]
         for field, style in (("tau_T0_ours", "o-"), ("tau_T0_engine", "s--"), ("tau_T1_ours", "^-")):
+            if any(p[field] != p[field] for p in points):  # nan: not measured (--ours-only)
+                continue
             ax.plot(x, [p[field] for p in points], style, label=field)
         ax.set_xscale("log")
         ax.set_xlabel(label)
@@ -224,7 +241,11 @@ def plot(points: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hours", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="training CPU-hour marks")
-    p.add_argument("--data", default=None, help="a data-stage directory (default: bench/drafters.py's, made here)")
+    p.add_argument("--data", default=None, help="a data-stage directory (default: bench/drafters.py's, made here), "
+                   "or 'default': real text, the embedded corpus")
+    p.add_argument("--real-samples", type=int, default=4096,
+                   help="with --data default: rows of real text, read in order (default %(default)s)")
+    p.add_argument("--ours-only", action="store_true", help="evaluate in our evaluator only (no llama.cpp)")
     p.add_argument("--data-prompts", type=int, default=None,
                    help="training prompts the data stage regenerates (default: bench/drafters.py's cpu scale, 400)")
     p.add_argument("--regen-max-new", type=int, default=None, help="the data stage's reply budget (default 256)")
@@ -240,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     marks = sorted(args.hours)
     if marks[0] <= 0:
         sys.exit(f"error: --hours must be positive, got {marks[0]}")
-    for b in ("llama-server", "llama-speculative-simple"):
+    for b in ("llama-server", "llama-speculative-simple") if not args.ours_only else ():
         if not llamacpp.binary(b).is_file():
             sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    if args.data:
+    overrides = list(args.set)
+    if args.data == "default":
+        data = args.data
+        overrides = [f"data.num_samples={args.real_samples}", *overrides]
+    elif args.data:
         data = Path(args.data)
         if not (data / "progress.json").is_file():
             sys.exit(f"error: --data {data} is not a data-stage directory (no progress.json)")
@@ -262,12 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.regen_max_new is not None:
             scale["regen_max_new"] = args.regen_max_new
         data = stage_data(work, scale, logging.getLogger("learning_curve"))
-    if (data / "bench_wall.json").is_file():
+    if data != "default" and (data / "bench_wall.json").is_file():
         log(f"data stage {data}: {json.loads((data / 'bench_wall.json').read_text())['seconds'] / 60:.0f} min wall "
             f"(paid once per target, shared by every draft trained on it; not in the CPU-hours below)")
     # what the points depend on besides the training: a re-run with other settings would mix two curves
-    settings = {"data": str(data.resolve()), "set": args.set, "per_set": args.per_set,
-                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "recipe": RECIPE}
+    settings = {"data": data if data == "default" else str(data.resolve()), "set": overrides,
+                "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                "recipe": RECIPE, "engine": not args.ours_only}
     state_path = work / "curve.json"
     state = (json.loads(state_path.read_text()) if state_path.is_file() else
              {"cpu_s": 0.0, "steps": 0, "points": {}, "settings": settings, "first_steps": args.first_steps})
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if state["cpu_s"] > 1.1 * h * 3600:
             sys.exit(f"error: --hours {key}: the run is already at {state['cpu_s'] / 3600:.3f} CPU-h (a mark can only "
                      f"be added past the last one; use another --work-dir for a new curve)")
-        train_to(state, h, run_dir, data, work / "feature-cache", args.set, save)
+        train_to(state, h, run_dir, data, work / "feature-cache", overrides, save)
         mark_dir = work / "marks" / key
         if mark_dir.exists():
             shutil.rmtree(mark_dir)
@@ -305,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"mark {key}: evaluating the draft at step {point['steps']} ({point['cpu_h']:.3f} CPU-h)")
         t0 = time.time()
         point.update(evaluate_mark(f"h{key}", export, mark_dir, args.per_set, args.max_new_tokens, args.threads,
-                                   items))
+                                   items, not args.ours_only))
         log(f"mark {key}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()})
             + f" ({time.time() - t0:.0f} s)")
         state["points"][key] = point

@@ -92,6 +92,12 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                         "2", "--per-set", "1", "--max-new-tokens", "8", "--work-dir", "{tmp}/work"],
                        rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine={NUM} "
                        rf"speedup_T0_engine={NUM} tau_T1_ours={NUM}", 1800),
+    # one arm of a comparison at equal CPU-hours: real text (32 rows of the embedded corpus), our evaluator only
+    "learning_curve:real": (["--data", "default", "--real-samples", "32", "--ours-only", "--hours", "0.005",
+                             "--first-steps", "2", "--per-set", "1", "--max-new-tokens", "8",
+                             "--work-dir", "{tmp}/work"],
+                            rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine=nan "
+                            rf"speedup_T0_engine=nan tau_T1_ours={NUM}", 1200),
     # where a CPU-hour goes: the default run single-process, then on Ray with 1 and 2 trainers (tiny MoE target)
     "train_cost": (["--steps", "2", "--work-dir", "{tmp}/work", *TINY_MOE],
                    rf"train_cost cpu_ms_per_token single={NUM} ray1={NUM} ray2={NUM} ratio ray2/single={NUM} "
@@ -146,7 +152,7 @@ def _prepare(name: str, tmp: Path) -> None:
             export_untrained_draft(tmp / d)
     if name == "dsv4_window":
         _export_untrained_dsv4(tmp / "export")
-    if _script(name) in ("serve_llamacpp", "learning_curve"):
+    if _script(name) == "serve_llamacpp" or name == "learning_curve":  # learning_curve:real does not serve
         import llamacpp
 
         llamacpp.build()
