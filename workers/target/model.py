@@ -99,11 +99,28 @@ def _load_gguf(gguf_path: Path, **kwargs):
     return _freeze(model), tokenizer
 
 
+@contextmanager
+def _quiet_save() -> Iterator[None]:
+    """transformers' own progress bars off while we write a model: a one-shard write draws a bar
+    ("Writing model shards", transformers 5.25) that would stand between a launch's log lines, or before its one
+    `error:` line when the launch then stops on a bad input."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def save_target(model: nn.Module, tokenizer, out_dir: str | os.PathLike) -> Path:
     """Write a model + tokenizer as a safetensors directory that `load_target` (e.g. inside a Ray actor) reads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    with _quiet_save():
+        model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
 
@@ -162,7 +179,8 @@ def _save_converted(model: nn.Module, tokenizer, out_dir: Path) -> None:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    model.save_pretrained(str(out_dir), safe_serialization=True)  # tied weights are written once, re-tied on load
+    with _quiet_save():
+        model.save_pretrained(str(out_dir), safe_serialization=True)  # tied weights are written once, re-tied on load
     tokenizer.save_pretrained(str(out_dir))
 
 
