@@ -75,27 +75,39 @@ def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray, tmp_path):
 
 def test_a_cached_batch_is_read_by_a_task_not_the_target(local_ray, tmp_path):
     """With a feature cache, the batches of the first epoch are encoded and stored by the target worker; a batch
-    whose samples are all stored (the next epoch's, or one asked for again) is read back by a Ray task, equal to
-    what the worker shipped, and counted in the service's stats."""
+    whose samples are all stored (the next epoch's, or another run's on the same cache) is read back by a Ray task,
+    equal to what the worker shipped, and counted in the service's stats.
+
+    The second epoch is served by a second service on the same cache, as a resumed run or another draft would be:
+    within one service, the prefetch of epoch 2's first batch starts before epoch 1's last batch is stored, so that
+    batch may run the target again, whose features then differ from epoch 1's in the last bf16 bit (transformers'
+    MoE kernels are not batch-invariant) and are not what this test is about."""
     samples = _samples(6)  # two batches of 3 per epoch
-    svc = _service(samples, tmp_path, max_in_flight=1, cache=str(tmp_path / "cache"))
+    cache = str(tmp_path / "cache")
+    svc = _service(samples, tmp_path, max_in_flight=1, cache=cache)
     try:
-        first = [ray.get(ray.get(svc.get.remote(b))[0]) for b in (0, 1)]
-        second = [ray.get(ray.get(svc.get.remote(b))[0]) for b in (2, 3)]  # epoch 2: the same 6 samples
-        assert ray.get(svc.stats.remote())["from_cache"] >= 2
-        by_id = {}
-        for fb in first:
-            s = fb.seq_start_S1.tolist()
-            for i, sid in enumerate(fb.sample_ids):
-                by_id[sid] = (fb.ctx_feats_TF[s[i]:s[i + 1]], fb.final_hidden_TD[s[i]:s[i + 1]])
-        for fb in second:
-            s = fb.seq_start_S1.tolist()
-            for i, sid in enumerate(fb.sample_ids):
-                assert torch.equal(fb.ctx_feats_TF[s[i]:s[i + 1]], by_id[sid][0]), sid
-                assert torch.equal(fb.final_hidden_TD[s[i]:s[i + 1]], by_id[sid][1]), sid
+        first = [ray.get(ray.get(svc.get.remote(b))[0]) for b in (0, 1)]  # encoded by the target: nothing stored yet
     finally:
         ray.get(svc.shutdown.remote())
         ray.kill(svc)
+    svc = _service(samples, tmp_path, max_in_flight=1, cache=cache)
+    try:
+        second = [ray.get(ray.get(svc.get.remote(b))[0]) for b in (2, 3)]  # epoch 2: the same 6 samples
+        assert ray.get(svc.stats.remote())["from_cache"] >= 2
+    finally:
+        ray.get(svc.shutdown.remote())
+        ray.kill(svc)
+    by_id = {}
+    for fb in first:
+        s = fb.seq_start_S1.tolist()
+        for i, sid in enumerate(fb.sample_ids):
+            by_id[sid] = (fb.ctx_feats_TF[s[i]:s[i + 1]], fb.final_hidden_TD[s[i]:s[i + 1]])
+    assert sorted(by_id) == list(range(6))
+    for fb in second:
+        s = fb.seq_start_S1.tolist()
+        for i, sid in enumerate(fb.sample_ids):
+            assert torch.equal(fb.ctx_feats_TF[s[i]:s[i + 1]], by_id[sid][0]), sid
+            assert torch.equal(fb.final_hidden_TD[s[i]:s[i + 1]], by_id[sid][1]), sid
 
 
 @pytest.mark.slow
