@@ -31,7 +31,8 @@ GGUF_DSV4 = "gguf-dsv4"  # serving/dsv4_gguf_export.py: one .gguf file, not an e
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.engine_export import DEEPSEEK_V4, FORMATS, target_facts, write_engine_export
+    from pipeline.export import read_export
+    from serving.engine_export import DEEPSEEK_V4, FORMATS, check_servable, target_facts, write_engine_export
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("export", metavar="EXPORT_OR_RUN_DIR", help="an exported draft, or a run dir holding export/")
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from workers.target.model import resolve_target_path
 
+        if args.format in FORMATS:  # refuse an unservable draft before the target is resolved (a first use converts it)
+            check_servable(read_export(src)[0], args.format, args.drop_confidence)
         target = args.target or json.loads((src / "config.json").read_text()).get("target")
         if not target:
             raise ValueError(f"{src}/config.json names no target; pass --target")
