@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+from launch_helpers import children_cpu_s
 
 from evaluation.report import speedup_table, tau_table
 from pipeline.metrics import get_logger
@@ -60,10 +61,11 @@ SCALES = {
     # prompts regenerated, reply budget, row length, training steps, eval prompts per set, eval reply budget
     "cpu": dict(train_prompts=400, regen_max_new=256, max_len=448, steps=100, eval_prompts=6, eval_max_new=64,
                 brief=" Keep the answer short: a few sentences at most.", regen_batch=8, regen_ray=True,
+                regen_temperature=0.8, regen_top_p=0.95,
                 draft_layers=1, samples_per_batch=2, anchors_per_seq=32, trainers=2, use_gpu=False, regen_workers=2,
                 trainer="ray", head_lr_scale=10.0, target_dtype="float32"),
     "gpu": dict(train_prompts=1600, regen_max_new=384, max_len=768, steps=3000, eval_prompts=40, eval_max_new=128,
-                brief="", regen_batch=200, regen_ray=False,
+                brief="", regen_batch=200, regen_ray=False, regen_temperature=0.8, regen_top_p=0.95,
                 draft_layers=2, samples_per_batch=16, anchors_per_seq=48, trainers=1, use_gpu=True, regen_workers=1,
                 trainer="single", head_lr_scale=10.0, target_dtype="bfloat16"),
 }
@@ -120,17 +122,21 @@ def stage_data(work: Path, s: dict, log) -> Path:
             r["messages"][-1]["content"] += s["brief"]
         prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     cmd = [sys.executable, str(REPO / "launch" / "prepare_data.py"), "--input", str(prompts), "--out", str(out),
-           "--target", "smollm2", "--max-len", str(s["max_len"]), "--regenerate", "--temperature", "0.8",
-           "--top-p", "0.95", "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", str(s["regen_batch"]),
+           "--target", "smollm2", "--max-len", str(s["max_len"]), "--regenerate",
+           "--temperature", str(s["regen_temperature"]), "--top-p", str(s["regen_top_p"]),
+           "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", str(s["regen_batch"]),
            "--shard-size", str(8 * s["regen_batch"])]
     if s["regen_ray"]:  # one target worker per core (each single-threaded) beats one process on a busy CPU
         cmd += ["--ray", "--num-workers", str(s["regen_workers"])]
     log.info("data: regenerating %d replies with the target", s["train_prompts"])
-    t0 = time.time()
+    t0, cpu0 = time.time(), children_cpu_s()
     subprocess.run(cmd, cwd=REPO, check=True)
-    timing = out / "bench_wall.json"  # what this run's data stage cost (cost_table); a resumed stage adds up
-    before = json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
-    timing.write_text(json.dumps({"seconds": before + time.time() - t0}) + "\n")
+    # what this run's data stage cost (cost_table): wall seconds and the CPU seconds of its processes (the CLI and,
+    # with --ray, the Ray processes it started and waited for); a resumed stage adds up
+    timing = out / "bench_wall.json"
+    before = json.loads(timing.read_text()) if timing.is_file() else {}
+    timing.write_text(json.dumps({"seconds": before.get("seconds", 0.0) + time.time() - t0,
+                                  "cpu_seconds": before.get("cpu_seconds", 0.0) + children_cpu_s() - cpu0}) + "\n")
     return out
 
 

@@ -50,6 +50,15 @@ def run_launch(args: list[str], timeout: float = 600, env: dict[str, str] | None
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's children that were waited for (a subprocess.run, a Popen's
+    wait): what a bench charges a training run or a data stage."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -55,6 +54,7 @@ import time
 from pathlib import Path
 
 import llamacpp
+from launch_helpers import children_cpu_s
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = ["humaneval", "gsm8k", "mtbench"]
@@ -69,11 +69,6 @@ SHORT = 0.98  # a segment ending below this share of its mark is followed by ano
 
 def log(msg: str) -> None:
     print(f"[learning_curve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def children_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -249,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-prompts", type=int, default=None,
                    help="training prompts the data stage regenerates (default: bench/drafters.py's cpu scale, 400)")
     p.add_argument("--regen-max-new", type=int, default=None, help="the data stage's reply budget (default 256)")
+    p.add_argument("--regen-temperature", type=float, default=None,
+                   help="the data stage's sampling temperature, 0 = greedy (default 0.8, with top-p 0.95)")
+    p.add_argument("--regen-top-p", type=float, default=None, help="the data stage's top-p (default 0.95)")
+    p.add_argument("--regen-batch", type=int, default=None,
+                   help="prompts per generate call, in one process on all cores instead of bench/drafters.py's 2 "
+                        "Ray workers at 8 (64: 2.5x the tokens per second of 8 on 2 cores)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="run-config overrides after RECIPE (a recipe experiment), e.g. train.lr=2e-3")
     p.add_argument("--work-dir", default=str(REPO / "runs" / "learning-curve"))
@@ -286,10 +287,18 @@ def main(argv: list[str] | None = None) -> int:
             scale["regen_ray"] = args.data_prompts >= 64  # Ray's start costs more than it saves on a few prompts
         if args.regen_max_new is not None:
             scale["regen_max_new"] = args.regen_max_new
+        if args.regen_temperature is not None:
+            scale["regen_temperature"] = args.regen_temperature
+        if args.regen_top_p is not None:
+            scale["regen_top_p"] = args.regen_top_p
+        if args.regen_batch is not None:
+            scale["regen_batch"], scale["regen_ray"] = args.regen_batch, False
         data = stage_data(work, scale, logging.getLogger("learning_curve"))
     if data != "default" and (data / "bench_wall.json").is_file():
-        log(f"data stage {data}: {json.loads((data / 'bench_wall.json').read_text())['seconds'] / 60:.0f} min wall "
-            f"(paid once per target, shared by every draft trained on it; not in the CPU-hours below)")
+        cost = json.loads((data / "bench_wall.json").read_text())
+        cpu = f", {cost['cpu_seconds'] / 3600:.2f} CPU-h" if "cpu_seconds" in cost else ""
+        log(f"data stage {data}: {cost['seconds'] / 60:.0f} min wall{cpu} (paid once per target, shared by every draft "
+            f"trained on it; not in the CPU-hours below)")
     # what the points depend on besides the training: a re-run with other settings would mix two curves
     settings = {"data": data if data == "default" else str(data.resolve()), "set": overrides,
                 "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "threads": args.threads,

@@ -98,6 +98,12 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                              "--work-dir", "{tmp}/work"],
                             rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine=nan "
                             rf"speedup_T0_engine=nan tau_T1_ours={NUM}", 1200),
+    # two arms at equal CPU-hours on real text (32 rows of the embedded corpus), the second with another lr
+    "curve_arms": (["--hours", "0.005", "--per-set", "1", "--max-new-tokens", "8", "--first-steps", "2",
+                    "--work-dir", "{tmp}/work", "--arm", "a", "default", "data.num_samples=32",
+                    "--arm", "b", "default", "data.num_samples=32", "train.lr=3e-3"],
+                   rf"curve_arms cpu_h={NUM} best_T0=[ab] tau_T0={NUM} gain_vs_first_T0=(?:-?{NUM}|nan) best_T1=[ab] "
+                   rf"tau_T1={NUM} gain_vs_first_T1=(?:-?{NUM}|nan)", 1800),
     # where a CPU-hour goes: the default run single-process, then on Ray with 1 and 2 trainers (tiny MoE target)
     "train_cost": (["--steps", "2", "--work-dir", "{tmp}/work", *TINY_MOE],
                    rf"train_cost cpu_ms_per_token single={NUM} ray1={NUM} ray2={NUM} ratio ray2/single={NUM} "
