@@ -28,7 +28,11 @@
    MT-Bench held-out prompts, greedy and T = 1); the export written for engines (deepspec), converted by
    llama.cpp's own converter and decoded greedily by llama-speculative-simple on the same prompts (τ = 1 + accepted
    / rounds per set, macro-averaged as ours; pooled over all rounds for the break-even); and llama-server's decode
-   speed with the draft over the target alone, timed back to back on the same prompts (speedup_T0_engine).
+   speed with the draft over the target alone, timed back to back on the same prompts (speedup_T0_engine). The
+   draft is served at the confidence threshold (llama.cpp's --spec-draft-p-min: a block is cut at its first slot
+   whose confidence is below it, so an unsure draft verifies fewer tokens or none) that was fastest on --per-set
+   other prompts of each set (tuning prompts, never the measured ones), among --p-min; the speed-up with full
+   blocks (p-min 0) is printed beside it.
 4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
    heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
 
@@ -64,6 +68,9 @@ RECIPE = ["data.num_samples=1000000", "data.max_len=448", "data.samples_per_batc
           "train.lr=1e-3", "train.warmup_steps=10", "train.head_lr_scale=10", "train.log_every=50",
           "checkpoint.every_steps=200", "checkpoint.keep_last=1"]
 FIRST_SEGMENT_STEPS = 30  # the first segment only measures the rate (--first-steps)
+# llama.cpp's confidence thresholds tried at each mark (0: full blocks): a draft whose τ is short of break-even
+# can still pay where its confidence head picks the rounds and the block lengths worth verifying
+P_MINS = [0.0, 0.3, 0.5, 0.7]
 SHORT = 0.98  # a segment ending below this share of its mark is followed by another
 
 
@@ -142,9 +149,12 @@ def train_to(state: dict, mark_h: float, run_dir: Path, data: Path, cache: Path,
             f" wall), tau_est {tau:.3f}")
 
 
-def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> dict:
+def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threads: int, p_mins: list[float]) -> dict:
     """`export` served by llama.cpp: greedy τ per set and their macro average (as our evaluator averages), τ over
-    all rounds pooled (what the speed sees), and llama-server's decode speed with and without the draft."""
+    all rounds pooled (what the speed sees), and llama-server's decode speed with and without the draft. The draft
+    is served at the confidence threshold (llama.cpp's --spec-draft-p-min) of `p_mins` that gave the highest speed-up
+    on `tune_items` (prompts disjoint from `items`), so the reported speed-up was not picked on the prompts that
+    measure it; τ is measured with full blocks (p-min 0), the blocks our evaluator drafts."""
     from serve_llamacpp import engine_rounds, rounds_tau, server_speed
 
     from serving.engine_export import target_facts, write_engine_export
@@ -158,15 +168,24 @@ def engine_eval(export: Path, work: Path, items, max_new: int, threads: int) -> 
     rounds = engine_rounds(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
     by_set = {ds: rounds_tau([r for (name, _, _), r in zip(items, rounds, strict=True) if name == ds])
               for ds in dict.fromkeys(name for name, _, _ in items)}
+    tuning = {}
+    if len(p_mins) > 1:
+        tune_base = server_speed(target_gguf, None, tune_items, 0.0, max_new, gamma, threads)
+        tuning = {f"{p:g}": server_speed(target_gguf, draft_gguf, tune_items, 0.0, max_new, gamma, threads, p)
+                  / tune_base for p in p_mins}
+        log("p-min tuning (speed-up on the tuning prompts): " + ", ".join(f"{p} {v:.3f}" for p, v in tuning.items()))
+    p_min = float(max(tuning, key=tuning.get)) if tuning else p_mins[0]
     base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
-    spec = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
+    full = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
+    spec = full if p_min == 0 else server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads, p_min)
     return {"tau_T0_engine": sum(by_set.values()) / len(by_set), "tau_T0_engine_sets": by_set,
-            "tau_T0_engine_pooled": rounds_tau(rounds), "speedup_T0_engine": spec / base, "tok_s_alone": base,
-            "tok_s_draft": spec}
+            "tau_T0_engine_pooled": rounds_tau(rounds), "speedup_T0_engine": spec / base,
+            "speedup_T0_engine_full": full / base, "tok_s_alone": base, "tok_s_draft": spec, "p_min": p_min,
+            "p_min_tuning": tuning}
 
 
-def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items,
-                  engine: bool) -> dict:
+def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items, tune_items,
+                  p_mins: list[float], engine: bool) -> dict:
     import logging
 
     from evaluation.report import tau_table
@@ -178,7 +197,7 @@ def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: in
     ours = {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)]}
     if not engine:
         return {**ours, "tau_T0_engine": float("nan"), "speedup_T0_engine": float("nan")}
-    return {**ours, **engine_eval(export, work, items, max_new, threads)}
+    return {**ours, **engine_eval(export, work, items, tune_items, max_new, threads, p_mins)}
 
 
 def extrapolate(points: list[dict]) -> str:
@@ -199,14 +218,15 @@ def extrapolate(points: list[dict]) -> str:
         return (f"extrapolation: tau_T0_ours - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks (no engine "
                 f"figures: no break-even)")
     a, b = np.polyfit(xs, [p["tau_T0_engine"] - 1 for p in points], 1)
-    breakeven = last["tau_T0_engine_pooled"] / last["speedup_T0_engine"]
+    breakeven = last["tau_T0_engine_pooled"] / last["speedup_T0_engine_full"]
     line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "
-            f"tau {breakeven:.2f} (a round costs {breakeven:.2f} target-alone tokens at the last mark)")
+            f"tau {breakeven:.2f} (a round of full blocks costs {breakeven:.2f} target-alone tokens at the last mark)")
     if last["speedup_T0_engine"] > 1:
         return line + "; already past it"
     if a <= 0:
         return line + "; no rising trend to extrapolate"
-    return line + f"; reached at about {math.exp((breakeven - 1 - b) / a):.3g} CPU-h if the trend held"
+    log10_h = (breakeven - 1 - b) / a / math.log(10)  # in log space: a nearly flat fit overflows exp()
+    return line + f"; reached at about 10^{log10_h:.1f} CPU-h if the trend held"
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -256,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-set", type=int, default=4, help="held-out prompts per set (HumanEval, GSM8K, MT-Bench)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--p-min", type=float, nargs="+", default=P_MINS, metavar="P",
+                   help="llama.cpp's DSpark confidence thresholds (--spec-draft-p-min) to serve at; with several, the "
+                        "fastest on --per-set tuning prompts per set (after the evaluation prompts) is used "
+                        "(default %(default)s; 0: full blocks)")
     p.add_argument("--first-steps", type=int, default=FIRST_SEGMENT_STEPS,
                    help="steps of the first segment, which measures the rate (default %(default)s)")
     args = p.parse_args(argv)
@@ -302,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     # what the points depend on besides the training: a re-run with other settings would mix two curves
     settings = {"data": data if data == "default" else str(data.resolve()), "set": overrides,
                 "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-                "recipe": RECIPE, "engine": not args.ours_only}
+                "p_min": args.p_min, "recipe": RECIPE, "engine": not args.ours_only}
     state_path = work / "curve.json"
     state = (json.loads(state_path.read_text()) if state_path.is_file() else
              {"cpu_s": 0.0, "steps": 0, "points": {}, "settings": settings, "first_steps": args.first_steps})
@@ -318,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from workers.target.model import load_tokenizer, resolve_target_path
 
-    items = prompts(args.per_set, load_tokenizer(resolve_target_path("smollm2")))
+    tokenizer = load_tokenizer(resolve_target_path("smollm2"))
+    items = prompts(args.per_set, tokenizer)
+    tune_items = prompts(args.per_set, tokenizer, skip=args.per_set)
     run_dir = work / "run"
     for h in marks:
         key = f"{h:g}"
@@ -340,17 +366,22 @@ def main(argv: list[str] | None = None) -> int:
         log(f"mark {key}: evaluating the draft at step {point['steps']} ({point['cpu_h']:.3f} CPU-h)")
         t0 = time.time()
         point.update(evaluate_mark(f"h{key}", export, mark_dir, args.per_set, args.max_new_tokens, args.threads,
-                                   items, not args.ours_only))
+                                   items, tune_items, args.p_min, not args.ours_only))
         log(f"mark {key}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()})
             + f" ({time.time() - t0:.0f} s)")
         state["points"][key] = point
         save()
     points = [state["points"][f"{h:g}"] for h in marks]
     plot(points, work / "learning_curve.png")
-    print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'speed-up':>10}{'τ T1 ours':>11}")
+    print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'full blocks':>13}"
+          f"{'p-min':>7}{'speed-up':>10}{'τ T1 ours':>11}")
+    nan = float("nan")
     for pt in points:
         print(f"{pt['cpu_h']:>7.3f}{pt['steps']:>7}{pt['trained_tokens']:>10}{pt['tau_T0_ours']:>11.3f}"
-              f"{pt['tau_T0_engine']:>12.3f}{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
+              f"{pt['tau_T0_engine']:>12.3f}{pt.get('speedup_T0_engine_full', nan):>13.3f}{pt.get('p_min', nan):>7.2f}"
+              f"{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
+    print("(speed-up: llama-server with the draft over the target alone, greedy, at the p-min picked on the tuning "
+          "prompts; full blocks: at p-min 0)")
     print(extrapolate(points))
     last = points[-1]
     print(f"learning_curve cpu_h={last['cpu_h']:.3f} trained_tokens={last['trained_tokens']} "

@@ -114,14 +114,15 @@ def unfaithful_export(legacy: Path, out: Path, facts: dict, mask_token_id: int) 
     return out
 
 
-def prompts(per_set: int, tokenizer) -> list[tuple[str, str, list[int]]]:
-    """(set, rendered text, token ids) of the held-out prompts, rendered with the chat template."""
+def prompts(per_set: int, tokenizer, skip: int = 0) -> list[tuple[str, str, list[int]]]:
+    """(set, rendered text, token ids) of the held-out prompts, rendered with the chat template: `per_set` of each
+    set after its first `skip` (skip=per_set gives a second, disjoint group, e.g. to tune a serving setting on)."""
     from evaluation.evaluate import encode_prompt
     from evaluation.prompts import resolve_prompt_sets
 
     out = []
-    for ds, items in resolve_prompt_sets(SETS, per_set).items():
-        for p in items:
+    for ds, items in resolve_prompt_sets(SETS, skip + per_set).items():
+        for p in items[skip:]:
             text = (tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                     if isinstance(p, list) else p)
             out.append((ds, text, encode_prompt(tokenizer, p)))
@@ -245,25 +246,32 @@ def parse_probs(log_text: str) -> list[list[float]]:
     return rounds
 
 
+def draft_flags(draft_gguf: Path, gamma: int, p_min: float = 0.0) -> list[str]:
+    """llama.cpp's flags for `draft_gguf` as the DSpark draft: blocks of `gamma` slots, and with p_min > 0 each
+    block cut at its first slot whose confidence (the draft's confidence head, a sigmoid) is below p_min."""
+    return ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
+            "--spec-draft-p-min", f"{p_min:g}"]
+
+
 def speculative_simple(target_gguf: Path, draft_gguf: Path, prompt: str, gamma: int, temperature: float,
-                       max_new: int, threads: int = 2, ctx: int = 4096, seed: int = 0
+                       max_new: int, threads: int = 2, ctx: int = 4096, seed: int = 0, p_min: float = 0.0
                        ) -> subprocess.CompletedProcess:
     """One llama-speculative-simple -v run of `draft_gguf` as the DSpark draft of `target_gguf` (its log: stdout +
     stderr; a token piece that is part of a UTF-8 character is printed as raw bytes, read as U+FFFD)."""
-    return subprocess.run([str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf), "-md",
-                           str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
-                           "--temp", str(temperature), "--seed", str(seed), "-n", str(max_new), "-t", str(threads),
-                           "-c", str(ctx), "-v", "-p", prompt], capture_output=True, text=True, errors="replace",
-                          timeout=900)
+    cmd = [str(llamacpp.binary("llama-speculative-simple")), "-m", str(target_gguf),
+           *draft_flags(draft_gguf, gamma, p_min), "--temp", str(temperature), "--seed", str(seed),
+           "-n", str(max_new), "-t", str(threads), "-c", str(ctx), "-v", "-p", prompt]
+    return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=900)
 
 
 def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
-                  threads: int, logs: list[str] | None = None) -> list[list[tuple[int, list[int]]]]:
+                  threads: int, logs: list[str] | None = None, p_min: float = 0.0) -> list[list[tuple[int, list[int]]]]:
     """(accepted, drafted block) of every round, per prompt, from llama-speculative-simple -v; each prompt's raw
     log is appended to `logs` when given."""
     out = []
     for i, (_, text, _) in enumerate(items):
-        res = speculative_simple(target_gguf, draft_gguf, text, gamma, temperature, max_new, threads, seed=i)
+        res = speculative_simple(target_gguf, draft_gguf, text, gamma, temperature, max_new, threads, seed=i,
+                                 p_min=p_min)
         if res.returncode != 0:
             raise RuntimeError(f"llama-speculative-simple failed:\n{res.stderr[-3000:]}")
         out.append(parse_rounds(res.stdout + res.stderr))
@@ -312,15 +320,15 @@ def wrong_conventions(deepspec: Path, work: Path) -> dict[str, Path]:
 
 
 def server_speed(target_gguf: Path, draft_gguf: Path | None, items, temperature: float, max_new: int, gamma: int,
-                 threads: int) -> float:
-    """Mean decode tok/s of llama-server over the prompts (with the draft when given)."""
+                 threads: int, p_min: float = 0.0) -> float:
+    """Mean decode tok/s of llama-server over the prompts (with the draft when given, cut at confidence p_min)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [str(llamacpp.binary("llama-server")), "-m", str(target_gguf), "--port", str(port), "-t", str(threads),
            "-c", "4096", "--metrics", "-np", "1"]
     if draft_gguf is not None:
-        cmd += ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma)]
+        cmd += draft_flags(draft_gguf, gamma, p_min)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -11,6 +11,7 @@ Run: python -m pytest tests/test_bench_smoke.py -q -m slow     (about 30 minutes
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -87,9 +88,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                    rf"tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} rounds_equal_T0={NUM} "
                                    rf"fp4_tau_T0={NUM}", 1800),
     # the draft-quality curve: a 16-prompt data stage, two marks 36 CPU-s apart (a 2-step first segment, then at
-    # least one resumed one), served by llama.cpp
+    # least one resumed one), served by llama.cpp at the faster of two confidence thresholds on tuning prompts
     "learning_curve": (["--data-prompts", "16", "--regen-max-new", "32", "--hours", "0.01", "0.02", "--first-steps",
-                        "2", "--per-set", "1", "--max-new-tokens", "8", "--work-dir", "{tmp}/work"],
+                        "2", "--per-set", "1", "--max-new-tokens", "8", "--p-min", "0", "0.5",
+                        "--work-dir", "{tmp}/work"],
                        rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine={NUM} "
                        rf"speedup_T0_engine={NUM} tau_T1_ours={NUM}", 1800),
     # one arm of a comparison at equal CPU-hours: real text (32 rows of the embedded corpus), our evaluator only
@@ -128,6 +130,23 @@ def test_every_bench_script_has_a_smoke_case():
     cased = {_script(n) for n in CASES}
     assert _scripts() == cased | set(EXCLUDED), "add the new bench to CASES (or EXCLUDED, with the reason)"
     assert not cased & set(EXCLUDED)
+
+
+def test_learning_curve_extrapolates_a_nearly_flat_curve_in_log_space():
+    """Where τ barely rises between marks, the CPU-hours to break-even are astronomically many: printed as a power
+    of ten (exp() of the fit overflowed a float and killed the bench after every mark had been evaluated)."""
+    from learning_curve import extrapolate
+
+    mark = dict(tau_T0_engine_pooled=1.04, speedup_T0_engine=0.6, speedup_T0_engine_full=0.52, tau_T0_ours=1.05)
+    flat = [dict(mark, cpu_h=0.01, tau_T0_engine=1.04), dict(mark, cpu_h=0.02, tau_T0_engine=1.0400001)]
+    line = extrapolate(flat)
+    assert "break-even tau 2.00" in line, line
+    assert re.search(r"reached at about 10\^\d{6,}\.\d CPU-h", line), line
+    rising = [dict(mark, cpu_h=0.01, tau_T0_engine=1.04), dict(mark, cpu_h=0.02, tau_T0_engine=1.1)]
+    # tau - 1 = a ln h + b through both marks; break-even 2.0 at ln h = (1 - b) / a
+    a = (0.1 - 0.04) / math.log(2)
+    b = 0.04 - a * math.log(0.01)
+    assert f"10^{(1 - b) / a / math.log(10):.1f} CPU-h" in extrapolate(rising)
 
 
 def _export_untrained_dsv4(out: Path) -> None:

@@ -304,3 +304,34 @@ def test_llama_cpp_loads_the_dsv4_draft_and_drafts_gamma_tokens(tmp_path, smollm
     assert re.search(r"called impl draft-dspark, hist size = \d+, call_count = \d+, gen = 5", log)
     blocks = [block for _, block in parse_rounds(log)]  # every slot's argmax, before the truncation
     assert all(len(b) == 5 and all(0 <= t < target.vocab_size for t in b) for b in blocks), blocks
+
+
+@pytest.mark.parametrize("p_min, drafted", [(0.4, 5), (0.6, 0)])
+def test_llama_cpp_cuts_the_block_at_the_confidence_threshold(tmp_path, smollm2_gguf, p_min, drafted):
+    """--spec-draft-p-min, as bench/serve_llamacpp.draft_flags passes it (bench/learning_curve.py serves at the
+    fastest threshold): llama.cpp cuts each DSpark block at its first slot whose confidence is below p_min. With
+    the confidence head's weight 0 and bias 0 every slot's confidence is sigmoid(0) = 0.5: above 0.4 the target
+    verifies γ tokens a round, below 0.6 none."""
+    from serve_llamacpp import speculative_simple
+
+    target_gguf, target = smollm2_gguf
+    cfg = _cfg(576, num_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32,
+               target_layers=(2, 15, 29))
+    tensors = random_tensors(cfg, target.vocab_size)
+    tensors["conf_proj.weight"][:] = 0
+    tensors["conf_proj.bias"][:] = 0
+    write_dsv4_gguf(tmp_path / "draft.gguf", tensors, cfg, target)
+    res = speculative_simple(target_gguf, tmp_path / "draft.gguf", "def fibonacci(n):", 5, 0.0, 16, ctx=256,
+                             p_min=p_min)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-3000:]
+    assert f"p_min={p_min:.2f}" in log
+    # "accepted k/n draft tokens": n, the tokens verified, is γ at 0.4 and 0 at 0.6 (while the -n budget lasts)
+    rounds = [(int(k), int(n)) for k, n in re.findall(r"accepted (\d+)/(\d+) draft tokens", log)]
+    assert len(rounds) >= 3, log[-3000:]
+    done = 0
+    for k, n in rounds:
+        if 16 - done - 1 > 0:
+            assert n == min(drafted, 16 - done - 1), (rounds, done)
+        done += k + 1
+    assert int(re.search(r"n_drafted = (\d+)", log).group(1)) == sum(n for _, n in rounds)
