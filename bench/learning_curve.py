@@ -32,7 +32,8 @@
    draft is served at the confidence threshold (llama.cpp's --spec-draft-p-min: a block is cut at its first slot
    whose confidence is below it, so an unsure draft verifies fewer tokens or none) that was fastest on --per-set
    other prompts of each set (tuning prompts, never the measured ones), among --p-min; the speed-up with full
-   blocks (p-min 0) is printed beside it.
+   blocks (p-min 0) is printed beside it, and the draft's fixed cost: the speed when the draft runs every round
+   but drafts nothing (a threshold no confidence reaches).
 4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
    heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
 
@@ -71,6 +72,7 @@ FIRST_SEGMENT_STEPS = 30  # the first segment only measures the rate (--first-st
 # llama.cpp's confidence thresholds tried at each mark (0: full blocks): a draft whose τ is short of break-even
 # can still pay where its confidence head picks the rounds and the block lengths worth verifying
 P_MINS = [0.0, 0.3, 0.5, 0.7]
+NO_DRAFT = 1.01  # a p-min no sigmoid confidence reaches: the draft runs every round and drafts nothing
 SHORT = 0.98  # a segment ending below this share of its mark is followed by another
 
 
@@ -178,10 +180,12 @@ def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threa
     base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
     full = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
     spec = full if p_min == 0 else server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads, p_min)
+    # the draft's fixed cost: it runs every round, but no confidence reaches NO_DRAFT, so nothing is verified
+    idle = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads, NO_DRAFT)
     return {"tau_T0_engine": sum(by_set.values()) / len(by_set), "tau_T0_engine_sets": by_set,
             "tau_T0_engine_pooled": rounds_tau(rounds), "speedup_T0_engine": spec / base,
-            "speedup_T0_engine_full": full / base, "tok_s_alone": base, "tok_s_draft": spec, "p_min": p_min,
-            "p_min_tuning": tuning}
+            "speedup_T0_engine_full": full / base, "speedup_T0_engine_idle": idle / base, "tok_s_alone": base,
+            "tok_s_draft": spec, "p_min": p_min, "p_min_tuning": tuning}
 
 
 def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items, tune_items,
@@ -373,15 +377,16 @@ def main(argv: list[str] | None = None) -> int:
         save()
     points = [state["points"][f"{h:g}"] for h in marks]
     plot(points, work / "learning_curve.png")
-    print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'full blocks':>13}"
-          f"{'p-min':>7}{'speed-up':>10}{'τ T1 ours':>11}")
+    print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'no draft':>10}"
+          f"{'full blocks':>13}{'p-min':>7}{'speed-up':>10}{'τ T1 ours':>11}")
     nan = float("nan")
     for pt in points:
         print(f"{pt['cpu_h']:>7.3f}{pt['steps']:>7}{pt['trained_tokens']:>10}{pt['tau_T0_ours']:>11.3f}"
-              f"{pt['tau_T0_engine']:>12.3f}{pt.get('speedup_T0_engine_full', nan):>13.3f}{pt.get('p_min', nan):>7.2f}"
+              f"{pt['tau_T0_engine']:>12.3f}{pt.get('speedup_T0_engine_idle', nan):>10.3f}"
+              f"{pt.get('speedup_T0_engine_full', nan):>13.3f}{pt.get('p_min', nan):>7.2f}"
               f"{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
-    print("(speed-up: llama-server with the draft over the target alone, greedy, at the p-min picked on the tuning "
-          "prompts; full blocks: at p-min 0)")
+    print("(llama-server with the draft over the target alone, greedy. speed-up: at the p-min picked on the tuning "
+          "prompts; full blocks: at p-min 0; no draft: the draft runs every round and drafts nothing, its fixed cost)")
     print(extrapolate(points))
     last = points[-1]
     print(f"learning_curve cpu_h={last['cpu_h']:.3f} trained_tokens={last['trained_tokens']} "
