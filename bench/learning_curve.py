@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     marks = sorted(args.hours)
     if marks[0] <= 0:
         sys.exit(f"error: --hours must be positive, got {marks[0]}")
+    if not all(0 <= v <= 1 for v in args.p_min):
+        sys.exit(f"error: --p-min takes confidences in [0, 1], got {args.p_min}")
     for b in ("llama-server", "llama-speculative-simple") if not args.ours_only else ():
         if not llamacpp.binary(b).is_file():
             sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
