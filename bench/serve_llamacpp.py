@@ -265,13 +265,12 @@ def speculative_simple(target_gguf: Path, draft_gguf: Path, prompt: str, gamma: 
 
 
 def engine_rounds(target_gguf: Path, draft_gguf: Path, items, temperature: float, max_new: int, gamma: int,
-                  threads: int, logs: list[str] | None = None, p_min: float = 0.0) -> list[list[tuple[int, list[int]]]]:
+                  threads: int, logs: list[str] | None = None) -> list[list[tuple[int, list[int]]]]:
     """(accepted, drafted block) of every round, per prompt, from llama-speculative-simple -v; each prompt's raw
     log is appended to `logs` when given."""
     out = []
     for i, (_, text, _) in enumerate(items):
-        res = speculative_simple(target_gguf, draft_gguf, text, gamma, temperature, max_new, threads, seed=i,
-                                 p_min=p_min)
+        res = speculative_simple(target_gguf, draft_gguf, text, gamma, temperature, max_new, threads, seed=i)
         if res.returncode != 0:
             raise RuntimeError(f"llama-speculative-simple failed:\n{res.stderr[-3000:]}")
         out.append(parse_rounds(res.stdout + res.stderr))

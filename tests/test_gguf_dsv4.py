@@ -270,6 +270,12 @@ def smollm2_gguf() -> tuple[Path, TargetFacts]:
     return target_gguf, TargetFacts.from_gguf(target_gguf)
 
 
+def _smollm2_cfg() -> DSV4DraftConfig:
+    """A DSV4 draft of SmolLM2-135M's width (D 576) reading three of its 30 layers."""
+    return _cfg(576, num_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32,
+                target_layers=(2, 15, 29))
+
+
 @pytest.mark.parametrize("dtype", ["f32", pytest.param("f16", marks=pytest.mark.slow)])  # f16: 20-130 s more
 def test_llama_cpp_loads_the_dsv4_draft_and_drafts_gamma_tokens(tmp_path, smollm2_gguf, dtype):
     """A random-weight DSV4 draft of SmolLM2's width (D 576) in llama-speculative-simple against the SmolLM2-135M
@@ -279,8 +285,7 @@ def test_llama_cpp_loads_the_dsv4_draft_and_drafts_gamma_tokens(tmp_path, smollm
 
     target_gguf, target = smollm2_gguf
     assert (target.arch, target.hidden_size, target.num_layers, target.vocab_size) == ("llama", 576, 30, 49152)
-    cfg = _cfg(576, num_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32,
-               target_layers=(2, 15, 29))
+    cfg = _smollm2_cfg()
     write_dsv4_gguf(tmp_path / "draft.gguf", random_tensors(cfg, target.vocab_size), cfg, target, dtype=dtype)
     res = speculative_simple(target_gguf, tmp_path / "draft.gguf", "def fibonacci(n):", 5, 0.0, 16, ctx=256)
     log = res.stdout + res.stderr
@@ -315,8 +320,7 @@ def test_llama_cpp_cuts_the_block_at_the_confidence_threshold(tmp_path, smollm2_
     from serve_llamacpp import speculative_simple
 
     target_gguf, target = smollm2_gguf
-    cfg = _cfg(576, num_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32,
-               target_layers=(2, 15, 29))
+    cfg = _smollm2_cfg()
     tensors = random_tensors(cfg, target.vocab_size)
     tensors["conf_proj.weight"][:] = 0
     tensors["conf_proj.bias"][:] = 0
