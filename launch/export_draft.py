@@ -2,6 +2,7 @@
 
     python launch/export_draft.py runs/tiny --format deepspec --out runs/tiny/export-deepspec
     python launch/export_draft.py runs/tiny/export --format speculators --out DIR [--target smollm2]
+    python launch/export_draft.py runs/tiny --format deepspec --draft-vocab 4096 --vocab-data DATA_DIR --out DIR
     python launch/export_draft.py runs/v4-deepseek --format gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf
     python launch/export_draft.py runs/v4-deepseek --format deepseek-v4 --out DIR [--into DEEPSEEK_V4_CHECKPOINT]
 
@@ -10,7 +11,10 @@ or a run directory. --format deepspec: the flat Qwen3DSparkModel schema (vLLM, S
 llama.cpp's convert_hf_to_gguf.py); speculators: vLLM's speculators schema. The target (its config.json: depth,
 context length, name) defaults to the one the draft was trained on. A draft no engine can serve (MoE, mHC, no q/k
 norm, a learned mask, the final post-norm state as context, ...) is refused with exit status 2 and one line saying
-why and which preset can be served; so is a missing export or target. --format gguf-dsv4: a v4-deepseek draft
+why and which preset can be served; so is a missing export or target. --draft-vocab N (deepspec): the draft
+scores only the N target tokens most frequent in the replies of DATA_DIR (a data stage), through its own LM head
+(the target's rows) and a d2t table, which makes its round in llama.cpp far cheaper (serving/draft_vocab.py).
+--format gguf-dsv4: a v4-deepseek draft
 (arch dsv4, DeepSeek-V4's drafter block) as the GGUF llama.cpp serves with `--spec-type draft-dspark`; --out is
 the file, --target-gguf the target's GGUF (llama.cpp's converter writes it), whose tokenizer the draft carries.
 --format deepseek-v4: the same draft in the DeepSeek-V4 checkpoint layout (config.json of a DeepseekV4ForCausalLM
@@ -43,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--into", default=None, help="deepseek-v4 only: a DeepseekV4ForCausalLM checkpoint to add the "
                                                 "drafter to (written as --out; the original is not changed)")
     p.add_argument("--target", default=None, help="target name or model directory (default: the draft's target)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="deepspec only: the draft's logits over the N target tokens most frequent in --vocab-data's "
+                        "replies (its own LM head and d2t; a far cheaper draft round in llama.cpp)")
+    p.add_argument("--vocab-data", default=None, metavar="DATA_DIR",
+                   help="the data stage (launch/prepare_data.py's directory) whose reply tokens choose --draft-vocab")
     p.add_argument("--drop-confidence", action="store_true",
                    help="export without the confidence head (deepspec schema: a head without a Markov head)")
     args = p.parse_args(argv)
@@ -75,13 +84,26 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.into:
             raise ValueError("--into applies to --format deepseek-v4")
-        facts = target_facts(resolve_target_path(target), target)
+        if (args.draft_vocab is None) != (args.vocab_data is None):
+            raise ValueError("--draft-vocab and --vocab-data go together: N tokens, chosen from DATA_DIR's replies")
+        if args.draft_vocab is not None and args.format != "deepspec":
+            raise ValueError("--draft-vocab applies to --format deepspec (draft_vocab_size + d2t, as llama.cpp's "
+                             "converter reads them)")
+        target_dir = resolve_target_path(target)
+        facts = target_facts(target_dir, target)
+        draft_vocab = None
+        if args.draft_vocab is not None:
+            from serving.draft_vocab import choose_draft_vocab, reply_token_counts, target_lm_head
+
+            lm_head_VD = target_lm_head(target_dir)
+            ids_N = choose_draft_vocab(reply_token_counts(args.vocab_data, lm_head_VD.shape[0]), args.draft_vocab)
+            draft_vocab = (ids_N, lm_head_VD)
         if args.format == DEEPSEEK_V4:
             from serving.deepseek_checkpoint import write_deepseek_checkpoint
 
             out = write_deepseek_checkpoint(src, args.out, facts["num_hidden_layers"])
         else:
-            out = write_engine_export(src, args.format, args.out, facts, args.drop_confidence)
+            out = write_engine_export(src, args.format, args.out, facts, args.drop_confidence, draft_vocab)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

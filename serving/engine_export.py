@@ -129,14 +129,17 @@ def _dspark_fields(cfg: DraftConfig, drop_confidence: bool) -> dict[str, Any]:
             "enable_confidence_head": confidence, "confidence_head_with_markov": confidence and cfg.head != "none"}
 
 
-def engine_config(cfg: DraftConfig, fmt: str, target: dict[str, Any], drop_confidence: bool = False
-                  ) -> dict[str, Any]:
+def engine_config(cfg: DraftConfig, fmt: str, target: dict[str, Any], drop_confidence: bool = False,
+                  draft_vocab_size: int | None = None) -> dict[str, Any]:
     """config.json of the engine export. `target`: the target's config.json (num_hidden_layers,
-    max_position_embeddings, architectures) plus "name_or_path"."""
+    max_position_embeddings, architectures) plus "name_or_path". `draft_vocab_size`: a reduced draft vocabulary
+    (serving/draft_vocab.py; deepspec only)."""
     max_positions = int(target.get("max_position_embeddings") or 8192)
     dspark = _dspark_fields(cfg, drop_confidence)
     if fmt == "deepspec":
         layer_ids = [i - 1 for i in cfg.target_layers]  # decoder-layer outputs: hidden state i = output of i - 1
+        if draft_vocab_size:
+            dspark["draft_vocab_size"] = draft_vocab_size
         return {"architectures": ["Qwen3DSparkModel"], **_qwen3_fields(cfg, max_positions), **dspark,
                 "is_causal": False, "dspark_bonus_anchor": False, "target_layer_ids": layer_ids,
                 "num_target_layers": int(target["num_hidden_layers"]), "torch_dtype": "float32",
@@ -165,22 +168,36 @@ def sts_calibration(temperatures: list[float], meta: dict[str, Any]) -> dict[str
 
 
 def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, target: dict[str, Any],
-                        drop_confidence: bool = False) -> Path:
+                        drop_confidence: bool = False,
+                        draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> Path:
     """Write `export_dir` (our format) as `fmt` into `out_dir` (replaced atomically): config.json,
-    model.safetensors and, when the export was calibrated, sts_calibration.json."""
+    model.safetensors and, when the export was calibrated, sts_calibration.json. `draft_vocab`: (ids_N, the
+    target's lm_head_VD) to write a reduced draft vocabulary (serving/draft_vocab.py), deepspec only."""
     from serving.calibration import load_calibration
+    from serving.draft_vocab import reduce_vocab
 
     cfg, state, _ = read_export(export_dir)
     check_servable(cfg, fmt, drop_confidence)
     if cfg.mask_token_id < 0 or not cfg.vocab_size:
         raise NotServable(f"{export_dir}: the draft config was never resolved against a target (mask_token_id "
                           f"{cfg.mask_token_id}, vocab_size {cfg.vocab_size})")
-    files = {"config.json": json.dumps(engine_config(cfg, fmt, target, drop_confidence), indent=2) + "\n"}
+    tensors = engine_tensors(state, cfg, drop_confidence)
+    if draft_vocab is not None:
+        if fmt != "deepspec":
+            raise NotServable(f"cannot export a reduced draft vocabulary as {fmt}: it is written in the deepspec "
+                              "schema only (draft_vocab_size + d2t, as llama.cpp's converter reads them)")
+        ids_N, lm_head_VD = draft_vocab
+        if lm_head_VD.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise NotServable(f"the target's LM head is {tuple(lm_head_VD.shape)}, the draft expects "
+                              f"({cfg.vocab_size}, {cfg.hidden_size}): not this draft's target")
+        tensors = reduce_vocab(tensors, ids_N, lm_head_VD)
+    n_draft = None if draft_vocab is None else len(draft_vocab[0])
+    files = {"config.json": json.dumps(engine_config(cfg, fmt, target, drop_confidence, n_draft), indent=2) + "\n"}
     calibration = Path(export_dir) / "calibration.json"
     if calibration.is_file() and cfg.confidence and not drop_confidence:
         temps, meta = load_calibration(calibration)
         files[STS_FILE] = json.dumps(sts_calibration(temps.tolist(), meta), indent=2) + "\n"
-    return write_export_dir(out_dir, engine_tensors(state, cfg, drop_confidence), files, metadata={"format": "pt"})
+    return write_export_dir(out_dir, tensors, files, metadata={"format": "pt"})
 
 
 def target_facts(target_dir: str | Path, name_or_path: str | None = None) -> dict[str, Any]:

@@ -189,6 +189,120 @@ def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path, llama_cpp_tree):
             "conf_proj.weight", "conf_proj.bias", "fc.weight"} <= set(tensors)
 
 
+# ---- a reduced draft vocabulary (serving/draft_vocab.py) ---------------------------------------------------------
+
+
+def test_draft_vocab_is_the_most_frequent_reply_tokens_ties_and_padding_to_the_lowest_id(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from serving.draft_vocab import choose_draft_vocab, reply_token_counts
+
+    # prompt tokens (mask false) never count: 9 is the commonest token but only in prompts
+    rows = {"input_ids": [[9, 9, 9, 5, 7, 7], [9, 9, 2, 5, 7, 4]],
+            "loss_mask": [[False, False, False, True, True, True], [False, False, True, True, True, True]]}
+    pq.write_table(pa.table(rows), tmp_path / "d.parquet")
+    counts = reply_token_counts(tmp_path / "d.parquet", 12)
+    assert counts.tolist() == [0, 0, 1, 0, 1, 2, 0, 3, 0, 0, 0, 0]
+    assert choose_draft_vocab(counts, 2).tolist() == [5, 7]
+    assert choose_draft_vocab(counts, 3).tolist() == [2, 5, 7]  # 2 and 4 tie at 1: the lower id
+    assert choose_draft_vocab(counts, 6).tolist() == [0, 1, 2, 4, 5, 7]  # never seen: the lowest ids
+    with pytest.raises(ValueError, match="between 1 and"):
+        choose_draft_vocab(counts, 13)
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        reply_token_counts(tmp_path / "d.parquet", 6)
+
+
+def _smollm2_draft(tmp_path: Path) -> tuple[Path, Path]:
+    """(our export of a random servable draft on SmolLM2's shape, the SmolLM2 model directory)."""
+    from workers.target.model import resolve_target_path
+
+    target_dir = resolve_target_path("smollm2")
+    tc = json.loads((target_dir / "config.json").read_text())
+    V, D = tc["vocab_size"], tc["hidden_size"]
+    cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                  intermediate_size=64, head_rank=8, block_size=5, target_layers=[2, 15, 27], mask_token_id=3)
+    torch.manual_seed(0)
+    embed = torch.randn(V, D) * 0.02
+    model = build_draft(cfg, embed, embed)
+    src = export_draft(model.state_dict(), {"draft": model.cfg.to_dict(), "target": "smollm2"}, tmp_path / "ours")
+    return src, target_dir
+
+
+def test_reduced_vocab_export_is_the_targets_rows_and_llama_cpp_reads_its_d2t(tmp_path, llama_cpp_tree, export_cli):
+    """--draft-vocab through the CLI: config draft_vocab_size, lm_head = the target's LM-head rows of the chosen
+    tokens, markov_w2 those rows, d2t in the EAGLE-3 offset convention; llama.cpp's converter writes the absolute
+    ids and the draft's own output matrix."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    from serving.draft_vocab import target_lm_head
+
+    src, target_dir = _smollm2_draft(tmp_path)
+    reply = [17, 17, 17, 300, 300, 42, 49151]
+    pq.write_table(pa.table({"input_ids": [[1, 2] + reply], "loss_mask": [[False, False] + [True] * 7]}),
+                   tmp_path / "d.parquet")
+    assert export_cli([str(src), "--format", "deepspec", "--draft-vocab", "6", "--vocab-data",
+                       str(tmp_path / "d.parquet"), "--out", str(tmp_path / "ds")]) == 0
+    ids = [0, 1, 17, 42, 300, 49151]  # the 4 reply tokens, then the lowest unseen ids (1 and 2 are prompt tokens)
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["draft_vocab_size"] == 6
+    ours, full = load_file(tmp_path / "ds" / "model.safetensors"), load_file(src / "model.safetensors")
+    head = target_lm_head(target_dir)
+    assert torch.equal(ours["lm_head.weight"], head[ids])
+    assert torch.equal(ours["markov_head.markov_w2.weight"], full["head.w2_RV"].t()[ids])
+    assert torch.equal(ours["markov_head.markov_w1.weight"], full["head.w1.weight"])  # indexed by the previous token
+    assert (ours["d2t"] + torch.arange(6)).tolist() == ids
+    gguf = llamacpp.convert(tmp_path / "ds", tmp_path / "draft.gguf", target_dir)
+    import gguf as gguf_py
+
+    tensors = {t.name: t for t in gguf_py.GGUFReader(str(gguf)).tensors}
+    assert np.asarray(tensors["d2t"].data).tolist() == ids
+    assert [int(x) for x in tensors["output.weight"].shape] == [576, 6]
+    assert [int(x) for x in tensors["markov_w2.weight"].shape] == [8, 6]
+
+
+def test_llama_cpp_drafts_the_same_blocks_with_a_draft_vocab_that_holds_them(tmp_path):
+    """In llama-speculative-simple (greedy, the SmolLM2 f32 target): a random draft drafts some blocks with its full
+    vocabulary; exported again with a 64-token draft vocabulary holding every token it drafted, it drafts exactly
+    the same blocks (its logits over the vocabulary are the full logits there), and every drafted id is a target id
+    of the vocabulary (d2t applied)."""
+    from serve_llamacpp import parse_rounds, speculative_simple
+
+    from serving.draft_vocab import choose_draft_vocab, target_lm_head
+    from serving.engine_export import target_facts
+
+    if not llamacpp.binary("llama-speculative-simple").is_file():
+        pytest.skip("llama.cpp not built (python bench/llamacpp.py build)")
+    src, target_dir = _smollm2_draft(tmp_path)
+    target_gguf, facts = llamacpp.target_gguf("smollm2"), target_facts(target_dir, "smollm2")
+
+    def blocks(name: str, draft_vocab=None) -> list[list[int]]:
+        write_engine_export(src, "deepspec", tmp_path / name, facts, draft_vocab=draft_vocab)
+        gguf = llamacpp.convert(tmp_path / name, tmp_path / f"{name}.gguf", target_dir)
+        res = speculative_simple(target_gguf, gguf, "def fibonacci(n):", 5, 0.0, 24, ctx=256)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        return [block for _, block in parse_rounds(res.stdout + res.stderr)]
+
+    full = blocks("full")
+    assert len(full) >= 4, full
+    counts = np.zeros(49152, dtype=np.int64)
+    np.add.at(counts, [t for b in full for t in b], 1)
+    ids = choose_draft_vocab(counts, 64)
+    assert set(t for b in full for t in b) <= set(ids.tolist()) and ids.max() > 64  # not just the lowest ids
+    assert blocks("reduced", (ids, target_lm_head(target_dir))) == full
+
+
+def test_draft_vocab_refusals_are_one_line_exit_2(tmp_path, export_cli, capsys):
+    src = _export(tmp_path, _draft())
+    assert export_cli([str(src), "--format", "deepspec", "--draft-vocab", "8", "--out", str(tmp_path / "x")]) == 2
+    assert "--draft-vocab and --vocab-data go together" in capsys.readouterr().err
+    assert export_cli([str(src), "--format", "speculators", "--draft-vocab", "8", "--vocab-data", str(tmp_path),
+                       "--out", str(tmp_path / "x")]) == 2
+    assert "--draft-vocab applies to --format deepspec" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 # ---- the mask token chosen at launch ----------------------------------------------------------------------------
 
 
