@@ -29,11 +29,14 @@
    llama.cpp's own converter and decoded greedily by llama-speculative-simple on the same prompts (τ = 1 + accepted
    / rounds per set, macro-averaged as ours; pooled over all rounds for the break-even); and llama-server's decode
    speed with the draft over the target alone, timed back to back on the same prompts (speedup_T0_engine). The
-   draft is served at the confidence threshold (llama.cpp's --spec-draft-p-min: a block is cut at its first slot
-   whose confidence is below it, so an unsure draft verifies fewer tokens or none) that was fastest on --per-set
-   other prompts of each set (tuning prompts, never the measured ones), among --p-min; the speed-up with full
-   blocks (p-min 0) is printed beside it, and the draft's fixed cost: the speed when the draft runs every round
-   but drafts nothing (a threshold no confidence reaches).
+   export is served with a reduced draft vocabulary (--draft-vocab, default 4096: the commonest reply tokens of
+   the data stage, serving/draft_vocab.py), which makes the draft's round in llama.cpp far cheaper. The draft is
+   served at the block length (--gammas, llama.cpp's --spec-draft-n-max) and confidence threshold (--p-min,
+   llama.cpp's --spec-draft-p-min: a block is cut at its first slot whose confidence is below it, so an unsure
+   draft verifies fewer tokens or none) that were fastest on --per-set other prompts of each set (tuning prompts,
+   never the measured ones); the speed-up with full blocks (trained γ, p-min 0) is printed beside it, and the
+   draft's fixed cost: the speed when the draft runs every round but drafts nothing (a threshold no confidence
+   reaches).
 4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
    heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
 
@@ -72,6 +75,11 @@ FIRST_SEGMENT_STEPS = 30  # the first segment only measures the rate (--first-st
 # llama.cpp's confidence thresholds tried at each mark (0: full blocks): a draft whose τ is short of break-even
 # can still pay where its confidence head picks the rounds and the block lengths worth verifying
 P_MINS = [0.0, 0.3, 0.5, 0.7]
+# llama.cpp's block lengths tried with them (--spec-draft-n-max, cut to the trained γ): a shorter block is a cheaper
+# draft round (the Markov head's per-slot work) and verifies fewer tokens that would be rejected
+GAMMAS = [2, 5]
+# the reduced draft vocabulary the export is served with (serving/draft_vocab.py; 0: the whole vocabulary)
+DRAFT_VOCAB = 4096
 NO_DRAFT = 1.01  # a p-min no sigmoid confidence reaches: the draft runs every round and drafts nothing
 SHORT = 0.98  # a segment ending below this share of its mark is followed by another
 
@@ -151,45 +159,55 @@ def train_to(state: dict, mark_h: float, run_dir: Path, data: Path, cache: Path,
             f" wall), tau_est {tau:.3f}")
 
 
-def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threads: int, p_mins: list[float]) -> dict:
+def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threads: int, p_mins: list[float],
+                gammas: list[int], draft_vocab=None) -> dict:
     """`export` served by llama.cpp: greedy τ per set and their macro average (as our evaluator averages), τ over
     all rounds pooled (what the speed sees), and llama-server's decode speed with and without the draft. The draft
     is served at the confidence threshold (llama.cpp's --spec-draft-p-min) of `p_mins` that gave the highest speed-up
     on `tune_items` (prompts disjoint from `items`), so the reported speed-up was not picked on the prompts that
-    measure it; τ is measured with full blocks (p-min 0), the blocks our evaluator drafts."""
+    measure it; τ is measured with full blocks (p-min 0), the blocks our evaluator drafts. With several `gammas`
+    (llama.cpp's --spec-draft-n-max, at most the trained block) the block length is tuned with the threshold.
+    `draft_vocab`: (ids_N, lm_head_VD), the reduced draft vocabulary the export is written with."""
     from serve_llamacpp import engine_rounds, rounds_tau, server_speed
 
     from serving.engine_export import target_facts, write_engine_export
     from workers.target.model import resolve_target_path
 
     target_dir = resolve_target_path("smollm2")
-    deepspec = write_engine_export(export, "deepspec", work / "deepspec", target_facts(target_dir, "smollm2"))
+    deepspec = write_engine_export(export, "deepspec", work / "deepspec", target_facts(target_dir, "smollm2"),
+                                   draft_vocab=draft_vocab)
     gamma = json.loads((deepspec / "config.json").read_text())["block_size"]
     target_gguf = llamacpp.target_gguf("smollm2")
     draft_gguf = llamacpp.convert(deepspec, work / "draft.gguf", target_dir)
     rounds = engine_rounds(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
     by_set = {ds: rounds_tau([r for (name, _, _), r in zip(items, rounds, strict=True) if name == ds])
               for ds in dict.fromkeys(name for name, _, _ in items)}
+    grid = [(min(g, gamma), p) for g in dict.fromkeys(gammas) for p in p_mins]
     tuning = {}
-    if len(p_mins) > 1:
+    if len(grid) > 1:
         tune_base = server_speed(target_gguf, None, tune_items, 0.0, max_new, gamma, threads)
-        tuning = {f"{p:g}": server_speed(target_gguf, draft_gguf, tune_items, 0.0, max_new, gamma, threads, p)
-                  / tune_base for p in p_mins}
-        log("p-min tuning (speed-up on the tuning prompts): " + ", ".join(f"{p} {v:.3f}" for p, v in tuning.items()))
-    p_min = float(max(tuning, key=tuning.get)) if tuning else p_mins[0]
+        tuning = {f"{g}:{p:g}": server_speed(target_gguf, draft_gguf, tune_items, 0.0, max_new, g, threads, p)
+                  / tune_base for g, p in grid}
+        log("γ:p-min tuning (speed-up on the tuning prompts): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in tuning.items()))
+    n_max, p_min = grid[0]
+    if tuning:
+        best = max(tuning, key=tuning.get).split(":")
+        n_max, p_min = int(best[0]), float(best[1])
     base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
     full = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
-    spec = full if p_min == 0 else server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads, p_min)
+    spec = (full if (n_max, p_min) == (gamma, 0) else
+            server_speed(target_gguf, draft_gguf, items, 0.0, max_new, n_max, threads, p_min))
     # the draft's fixed cost: it runs every round, but no confidence reaches NO_DRAFT, so nothing is verified
-    idle = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads, NO_DRAFT)
+    idle = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, n_max, threads, NO_DRAFT)
     return {"tau_T0_engine": sum(by_set.values()) / len(by_set), "tau_T0_engine_sets": by_set,
             "tau_T0_engine_pooled": rounds_tau(rounds), "speedup_T0_engine": spec / base,
             "speedup_T0_engine_full": full / base, "speedup_T0_engine_idle": idle / base, "tok_s_alone": base,
-            "tok_s_draft": spec, "p_min": p_min, "p_min_tuning": tuning}
+            "tok_s_draft": spec, "p_min": p_min, "n_max": n_max, "p_min_tuning": tuning}
 
 
 def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: int, threads: int, items, tune_items,
-                  p_mins: list[float], engine: bool) -> dict:
+                  p_mins: list[float], gammas: list[int], engine: bool, draft_vocab=None) -> dict:
     import logging
 
     from evaluation.report import tau_table
@@ -201,7 +219,7 @@ def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: in
     ours = {"tau_T0_ours": macro[(name, 0.0)], "tau_T1_ours": macro[(name, 1.0)]}
     if not engine:
         return {**ours, "tau_T0_engine": float("nan"), "speedup_T0_engine": float("nan")}
-    return {**ours, **engine_eval(export, work, items, tune_items, max_new, threads, p_mins)}
+    return {**ours, **engine_eval(export, work, items, tune_items, max_new, threads, p_mins, gammas, draft_vocab)}
 
 
 def extrapolate(points: list[dict]) -> str:
@@ -284,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="llama.cpp's DSpark confidence thresholds (--spec-draft-p-min) to serve at; with several, the "
                         "fastest on --per-set tuning prompts per set (after the evaluation prompts) is used "
                         "(default %(default)s; 0: full blocks)")
+    p.add_argument("--gammas", type=int, nargs="+", default=GAMMAS, metavar="G",
+                   help="llama.cpp's block lengths (--spec-draft-n-max, at most the trained γ) to serve at, tuned "
+                        "with --p-min on the tuning prompts (default %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
+                   help="serve the draft with a reduced vocabulary: the N commonest reply tokens of the data stage "
+                        "(serving/draft_vocab.py; 0: the target's whole vocabulary; default %(default)s)")
     p.add_argument("--first-steps", type=int, default=FIRST_SEGMENT_STEPS,
                    help="steps of the first segment, which measures the rate (default %(default)s)")
     args = p.parse_args(argv)
@@ -292,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --hours must be positive, got {marks[0]}")
     if not all(0 <= v <= 1 for v in args.p_min):
         sys.exit(f"error: --p-min takes confidences in [0, 1], got {args.p_min}")
+    if not all(g >= 1 for g in args.gammas):
+        sys.exit(f"error: --gammas takes block lengths of at least 1, got {args.gammas}")
+    if args.draft_vocab < 0:
+        sys.exit(f"error: --draft-vocab must be 0 (the whole vocabulary) or positive, got {args.draft_vocab}")
+    if args.data == "default" and args.draft_vocab and not args.ours_only:
+        sys.exit("error: --draft-vocab chooses its tokens from a data stage's replies; with --data default pass "
+                 "--draft-vocab 0")
     for b in ("llama-server", "llama-speculative-simple") if not args.ours_only else ():
         if not llamacpp.binary(b).is_file():
             sys.exit(f"error: {llamacpp.binary(b)} not built (python bench/llamacpp.py build)")
@@ -332,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     # what the points depend on besides the training: a re-run with other settings would mix two curves
     settings = {"data": data if data == "default" else str(data.resolve()), "set": overrides,
                 "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-                "p_min": args.p_min, "recipe": RECIPE, "engine": not args.ours_only}
+                "p_min": args.p_min, "gammas": args.gammas, "draft_vocab": args.draft_vocab, "recipe": RECIPE,
+                "engine": not args.ours_only}
     state_path = work / "curve.json"
     state = (json.loads(state_path.read_text()) if state_path.is_file() else
              {"cpu_s": 0.0, "steps": 0, "points": {}, "settings": settings, "first_steps": args.first_steps})
@@ -351,6 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve_target_path("smollm2"))
     items = prompts(args.per_set, tokenizer)
     tune_items = prompts(args.per_set, tokenizer, skip=args.per_set)
+    draft_vocab = None
+    if args.draft_vocab and not args.ours_only:
+        from serving.draft_vocab import choose_draft_vocab, reply_token_counts, target_lm_head
+
+        lm_head_VD = target_lm_head(resolve_target_path("smollm2"))
+        counts_V = reply_token_counts(data, lm_head_VD.shape[0])
+        ids_N = choose_draft_vocab(counts_V, args.draft_vocab)
+        draft_vocab = (ids_N, lm_head_VD)
+        log(f"draft vocabulary: the {args.draft_vocab} commonest of the {int((counts_V > 0).sum())} distinct reply "
+            f"tokens of {data} ({counts_V[ids_N.numpy()].sum() / counts_V.sum():.2%} of them)")
     run_dir = work / "run"
     for h in marks:
         key = f"{h:g}"
@@ -372,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"mark {key}: evaluating the draft at step {point['steps']} ({point['cpu_h']:.3f} CPU-h)")
         t0 = time.time()
         point.update(evaluate_mark(f"h{key}", export, mark_dir, args.per_set, args.max_new_tokens, args.threads,
-                                   items, tune_items, args.p_min, not args.ours_only))
+                                   items, tune_items, args.p_min, args.gammas, not args.ours_only, draft_vocab))
         log(f"mark {key}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()})
             + f" ({time.time() - t0:.0f} s)")
         state["points"][key] = point
@@ -380,15 +422,16 @@ def main(argv: list[str] | None = None) -> int:
     points = [state["points"][f"{h:g}"] for h in marks]
     plot(points, work / "learning_curve.png")
     print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'no draft':>10}"
-          f"{'full blocks':>13}{'p-min':>7}{'speed-up':>10}{'τ T1 ours':>11}")
+          f"{'full blocks':>13}{'γ':>3}{'p-min':>7}{'speed-up':>10}{'τ T1 ours':>11}")
     nan = float("nan")
     for pt in points:
         print(f"{pt['cpu_h']:>7.3f}{pt['steps']:>7}{pt['trained_tokens']:>10}{pt['tau_T0_ours']:>11.3f}"
               f"{pt['tau_T0_engine']:>12.3f}{pt.get('speedup_T0_engine_idle', nan):>10.3f}"
-              f"{pt.get('speedup_T0_engine_full', nan):>13.3f}{pt.get('p_min', nan):>7.2f}"
+              f"{pt.get('speedup_T0_engine_full', nan):>13.3f}{pt.get('n_max', 5):>3}{pt.get('p_min', nan):>7.2f}"
               f"{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
-    print("(llama-server with the draft over the target alone, greedy. speed-up: at the p-min picked on the tuning "
-          "prompts; full blocks: at p-min 0; no draft: the draft runs every round and drafts nothing, its fixed cost)")
+    print("(llama-server with the draft over the target alone, greedy. speed-up: at the γ and p-min picked on the "
+          "tuning prompts; full blocks: trained γ at p-min 0; no draft: the draft runs every round at the picked γ "
+          "and drafts nothing, its fixed cost)")
     print(extrapolate(points))
     last = points[-1]
     print(f"learning_curve cpu_h={last['cpu_h']:.3f} trained_tokens={last['trained_tokens']} "

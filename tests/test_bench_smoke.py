@@ -88,9 +88,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                    rf"tau_engine_T0={NUM} tau_ours_T0={NUM} agreement_T0={NUM} rounds_equal_T0={NUM} "
                                    rf"fp4_tau_T0={NUM}", 1800),
     # the draft-quality curve: a 16-prompt data stage, two marks 36 CPU-s apart (a 2-step first segment, then at
-    # least one resumed one), served by llama.cpp at the faster of two confidence thresholds on tuning prompts
+    # least one resumed one), served by llama.cpp with a reduced draft vocabulary (bench's default, padded: the
+    # stage's replies use fewer distinct tokens) at the fastest of two block lengths x two confidence thresholds
     "learning_curve": (["--data-prompts", "16", "--regen-max-new", "32", "--hours", "0.01", "0.02", "--first-steps",
-                        "2", "--per-set", "1", "--max-new-tokens", "8", "--p-min", "0", "0.5",
+                        "2", "--per-set", "1", "--max-new-tokens", "8", "--p-min", "0", "0.5", "--gammas", "2", "5",
                         "--work-dir", "{tmp}/work"],
                        rf"learning_curve cpu_h={NUM} trained_tokens=\d+ tau_T0_ours={NUM} tau_T0_engine={NUM} "
                        rf"speedup_T0_engine={NUM} tau_T1_ours={NUM}", 1800),
@@ -130,6 +131,21 @@ def test_every_bench_script_has_a_smoke_case():
     cased = {_script(n) for n in CASES}
     assert _scripts() == cased | set(EXCLUDED), "add the new bench to CASES (or EXCLUDED, with the reason)"
     assert not cased & set(EXCLUDED)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--p-min", "1.5"], "--p-min takes confidences in [0, 1]"),
+    (["--gammas", "0", "5"], "--gammas takes block lengths of at least 1"),
+    (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
+    (["--data", "default"], "with --data default pass --draft-vocab 0"),
+])
+def test_learning_curve_refuses_bad_serving_settings_before_anything_runs(args, message, tmp_path):
+    from learning_curve import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--work-dir", str(tmp_path / "w")])
+    assert str(e.value).startswith("error: ") and message in str(e.value), e.value
+    assert not (tmp_path / "w").exists()
 
 
 def test_learning_curve_extrapolates_a_nearly_flat_curve_in_log_space():
