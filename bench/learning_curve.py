@@ -385,14 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     tune_items = prompts(args.per_set, tokenizer, skip=args.per_set)
     draft_vocab = None
     if args.draft_vocab and not args.ours_only:
-        from serving.draft_vocab import choose_draft_vocab, reply_token_counts, target_lm_head
+        from serving.draft_vocab import draft_vocab_from_data
 
-        lm_head_VD = target_lm_head(resolve_target_path("smollm2"))
-        counts_V = reply_token_counts(data, lm_head_VD.shape[0])
-        ids_N = choose_draft_vocab(counts_V, args.draft_vocab)
+        ids_N, lm_head_VD, covered = draft_vocab_from_data(resolve_target_path("smollm2"), data, args.draft_vocab)
         draft_vocab = (ids_N, lm_head_VD)
-        log(f"draft vocabulary: the {args.draft_vocab} commonest of the {int((counts_V > 0).sum())} distinct reply "
-            f"tokens of {data} ({counts_V[ids_N.numpy()].sum() / counts_V.sum():.2%} of them)")
+        log(f"draft vocabulary: {covered}")
     run_dir = work / "run"
     for h in marks:
         key = f"{h:g}"

@@ -93,11 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         facts = target_facts(target_dir, target)
         draft_vocab = None
         if args.draft_vocab is not None:
-            from serving.draft_vocab import choose_draft_vocab, reply_token_counts, target_lm_head
+            from serving.draft_vocab import draft_vocab_from_data
 
-            lm_head_VD = target_lm_head(target_dir)
-            ids_N = choose_draft_vocab(reply_token_counts(args.vocab_data, lm_head_VD.shape[0]), args.draft_vocab)
-            draft_vocab = (ids_N, lm_head_VD)
+            draft_vocab = draft_vocab_from_data(target_dir, args.vocab_data, args.draft_vocab)[:2]
         if args.format == DEEPSEEK_V4:
             from serving.deepseek_checkpoint import write_deepseek_checkpoint
 

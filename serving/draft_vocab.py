@@ -78,6 +78,18 @@ def target_lm_head(target_dir: str | os.PathLike) -> torch.Tensor:
     raise KeyError(f"target {target_dir}: no lm_head.weight or embed_tokens.weight in its safetensors")
 
 
+def draft_vocab_from_data(target_dir: str | os.PathLike, data: str | os.PathLike, size: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(ids_N, lm_head_VD, a line saying what the vocabulary covers) for `write_engine_export(draft_vocab=...)`:
+    the `size` commonest reply tokens of the data stage `data` and the LM head of the target in `target_dir`."""
+    lm_head_VD = target_lm_head(target_dir)
+    counts_V = reply_token_counts(data, lm_head_VD.shape[0])
+    ids_N = choose_draft_vocab(counts_V, size)
+    covered = counts_V[ids_N.numpy()].sum() / counts_V.sum()
+    return ids_N, lm_head_VD, (f"the {size} commonest of the {int((counts_V > 0).sum())} distinct reply tokens of "
+                               f"{data} ({covered:.2%} of them)")
+
+
 def reduce_vocab(tensors: dict[str, torch.Tensor], ids_N: torch.Tensor, lm_head_VD: torch.Tensor
                  ) -> dict[str, torch.Tensor]:
     """The engine tensors of a full-vocabulary draft (serving/engine_export.engine_tensors) with the draft

@@ -159,9 +159,8 @@ def test_cli_refuses_an_unservable_draft_and_a_missing_export_with_exit_2(tmp_pa
     assert res.returncode == 2 and "neither an exported draft nor a run directory" in res.stderr
 
 
-def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path, llama_cpp_tree):
-    """A tiny servable draft on SmolLM2's shape, through llama.cpp's own convert_hf_to_gguf.py: the GGUF says what
-    the draft is (no C++ build needed)."""
+def _smollm2_draft(tmp_path: Path) -> tuple[Path, Path]:
+    """(our export of a random servable draft on SmolLM2's shape, the SmolLM2 model directory)."""
     from workers.target.model import resolve_target_path
 
     target_dir = resolve_target_path("smollm2")
@@ -173,6 +172,13 @@ def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path, llama_cpp_tree):
     embed = torch.randn(V, D) * 0.02
     model = build_draft(cfg, embed, embed)
     src = export_draft(model.state_dict(), {"draft": model.cfg.to_dict(), "target": "smollm2"}, tmp_path / "ours")
+    return src, target_dir
+
+
+def test_llama_cpp_converter_reads_a_deepspec_export(tmp_path, llama_cpp_tree):
+    """A tiny servable draft on SmolLM2's shape, through llama.cpp's own convert_hf_to_gguf.py: the GGUF says what
+    the draft is (no C++ build needed)."""
+    src, target_dir = _smollm2_draft(tmp_path)
     out = _cli(str(src), "--format", "deepspec", "--out", str(tmp_path / "ds"))
     assert out.returncode == 0, out.stderr
     gguf = llamacpp.convert(tmp_path / "ds", tmp_path / "draft.gguf", target_dir)
@@ -211,22 +217,6 @@ def test_draft_vocab_is_the_most_frequent_reply_tokens_ties_and_padding_to_the_l
         choose_draft_vocab(counts, 13)
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         reply_token_counts(tmp_path / "d.parquet", 6)
-
-
-def _smollm2_draft(tmp_path: Path) -> tuple[Path, Path]:
-    """(our export of a random servable draft on SmolLM2's shape, the SmolLM2 model directory)."""
-    from workers.target.model import resolve_target_path
-
-    target_dir = resolve_target_path("smollm2")
-    tc = json.loads((target_dir / "config.json").read_text())
-    V, D = tc["vocab_size"], tc["hidden_size"]
-    cfg = replace(draft_preset("dspark-markov"), num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
-                  intermediate_size=64, head_rank=8, block_size=5, target_layers=[2, 15, 27], mask_token_id=3)
-    torch.manual_seed(0)
-    embed = torch.randn(V, D) * 0.02
-    model = build_draft(cfg, embed, embed)
-    src = export_draft(model.state_dict(), {"draft": model.cfg.to_dict(), "target": "smollm2"}, tmp_path / "ours")
-    return src, target_dir
 
 
 def test_reduced_vocab_export_is_the_targets_rows_and_llama_cpp_reads_its_d2t(tmp_path, llama_cpp_tree, export_cli):
