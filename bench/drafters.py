@@ -126,6 +126,8 @@ def stage_data(work: Path, s: dict, log) -> Path:
            "--temperature", str(s["regen_temperature"]), "--top-p", str(s["regen_top_p"]),
            "--max-new-tokens", str(s["regen_max_new"]), "--batch-size", str(s["regen_batch"]),
            "--shard-size", str(8 * s["regen_batch"])]
+    if s.get("regen_keep_unfinished"):
+        cmd.append("--keep-unfinished")
     if s["regen_ray"]:  # one target worker per core (each single-threaded) beats one process on a busy CPU
         cmd += ["--ray", "--num-workers", str(s["regen_workers"])]
     log.info("data: regenerating %d replies with the target", s["train_prompts"])

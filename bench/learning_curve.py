@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regen-temperature", type=float, default=None,
                    help="the data stage's sampling temperature, 0 = greedy (default 0.8, with top-p 0.95)")
     p.add_argument("--regen-top-p", type=float, default=None, help="the data stage's top-p (default 0.95)")
+    p.add_argument("--regen-keep-unfinished", action="store_true",
+                   help="the data stage keeps replies cut at its reply budget instead of dropping them")
     p.add_argument("--regen-batch", type=int, default=None,
                    help="prompts per generate call, in one process on all cores instead of bench/drafters.py's 2 "
                         "Ray workers at 8 (64: 2.5x the tokens per second of 8 on 2 cores)")
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             scale["regen_temperature"] = args.regen_temperature
         if args.regen_top_p is not None:
             scale["regen_top_p"] = args.regen_top_p
+        scale["regen_keep_unfinished"] = args.regen_keep_unfinished
         if args.regen_batch is not None:
             scale["regen_batch"], scale["regen_ray"] = args.regen_batch, False
         data = stage_data(work, scale, logging.getLogger("learning_curve"))

@@ -36,7 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="replies not finished by then are dropped")
+    g.add_argument("--max-new-tokens", type=int, default=256,
+                   help="replies not finished by then are dropped (or kept as cut with --keep-unfinished)")
+    g.add_argument("--keep-unfinished", action="store_true",
+                   help="keep a reply cut at --max-new-tokens (its tokens, no stop token) instead of dropping it")
     g.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (1 = batch-independent)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="", help="target compute dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -82,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1, got {args.num_workers}")
+        if args.keep_unfinished and not args.regenerate:
+            raise ValueError("--keep-unfinished needs --regenerate (it keeps the target's own cut replies)")
         from workers.target.model import load_tokenizer, resolve_target_path
 
         target = resolve_target_path(args.target)
         tokenizer = load_tokenizer(target)
-        params = (GenParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+        params = (GenParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed,
+                            args.keep_unfinished)
                   if args.regenerate else None)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     dropped = ", ".join(f"{k} {v}" for k, v in stats["dropped"].items() if v) or "none"
     print(f"data stage: {stats['records']} records -> {stats['rows']} rows ({stats['tokens']} tokens, "
           f"{stats['trained_tokens']} trained) in {dt:.1f}s; dropped {stats['dropped_total']} ({dropped}); "
-          f"output {Path(args.out).resolve()}")
+          + (f"kept {stats['unfinished_kept']} replies cut at --max-new-tokens; " if args.keep_unfinished else "")
+          + f"output {Path(args.out).resolve()}")
     return 0
 
 

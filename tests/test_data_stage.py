@@ -147,6 +147,44 @@ def test_generation_failures_are_counted(tok):
                     batch_size=2)
 
 
+
+def test_cut_replies_are_kept_as_cut_only_when_asked(tok, tmp_path):
+    """--keep-unfinished: a reply cut at max_new_tokens becomes a row of exactly the tokens the target generated (no
+    stop token appended, all of them trained), counted as unfinished_kept and not as a drop; without it the row is
+    dropped as before, and a stage fingerprinted before the option existed still resumes (to_dict leaves it out)."""
+    cut, done = Generation([520, 30, 198], False), Generation([520, EOS], True)
+    keep = GenParams(temperature=1.0, top_p=0.9, max_new_tokens=3, seed=3, keep_unfinished=True)
+    table, bad = build_shard([{"prompt": "a"}, {"prompt": "b"}], 0, tok, max_len=64, params=keep,
+                             generator=ScriptedGenerator([[cut, done]]), batch_size=2)
+    rows = table.to_pylist()
+    assert [r["row_id"] for r in rows] == ["0-1", "1-1"] and dict(bad) == {"unfinished_kept": 1}
+    p_ids = render_prompt(tok, [{"role": "user", "content": "a"}])
+    assert rows[0]["input_ids"] == p_ids + [520, 30, 198]
+    assert rows[0]["loss_mask"] == [False] * len(p_ids) + [True] * 3
+    assert rows[0]["response"] == tok.decode([520, 30, 198]) and rows[1]["input_ids"][-1] == EOS
+    assert json.loads(rows[0]["generation"])["keep_unfinished"] is True
+
+    drop = GenParams(temperature=1.0, top_p=0.9, max_new_tokens=3, seed=3)
+    assert "keep_unfinished" not in drop.to_dict()
+    table, bad = build_shard([{"prompt": "a"}, {"prompt": "b"}], 0, tok, max_len=64, params=drop,
+                             generator=ScriptedGenerator([[cut, done]]), batch_size=2)
+    assert table.column("row_id").to_pylist() == ["1-1"] and dict(bad) == {"generation_unfinished": 1}
+
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    stats = run_data_stage([str(src)], tok, tmp_path / "out", max_len=64, params=keep, batch_size=2,
+                           generator=ScriptedGenerator([[cut, done]]), target="scripted")
+    assert stats["rows"] == 2 and stats["unfinished_kept"] == 1 and stats["dropped_total"] == 0
+    assert stats["trained_tokens"] == 3 + 2
+
+
+def test_cli_refuses_keep_unfinished_without_regeneration(tmp_path):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "response": "b"}])
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "prepare_data.py"), "--input", str(src), "--out",
+                        str(tmp_path / "out"), "--keep-unfinished"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --keep-unfinished needs --regenerate (it keeps the "
+                                                      "target's own cut replies)")
+    assert not (tmp_path / "out").exists()
+
 # ---- regeneration ----------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from pipeline.atomic import write_text_atomic
 from pipeline.data.regenerate import GenParams, ReplyGenerator
-from pipeline.data.rows import FORMAT_VERSION, REASONS, build_shard, file_digest, open_prompts
+from pipeline.data.rows import FORMAT_VERSION, KEPT_UNFINISHED, REASONS, build_shard, file_digest, open_prompts
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ def summarize(completed: dict) -> dict:
         "tokens": sum(e["tokens"] for e in completed.values()),
         "trained_tokens": sum(e["trained_tokens"] for e in completed.values()),
         "dropped": {r: dropped.get(r, 0) for r in REASONS},
-        "dropped_total": sum(dropped.values()),
+        "dropped_total": sum(dropped.get(r, 0) for r in REASONS),
+        "unfinished_kept": dropped.get(KEPT_UNFINISHED, 0),  # replies cut at max_new_tokens, kept as cut
     }
 
 

@@ -29,6 +29,9 @@ class GenParams:
     top_k: int = 0  # 0 = off (HF's own default of 50 would silently change the target's distribution)
     max_new_tokens: int = 256
     seed: int = 0
+    # keep a reply cut at max_new_tokens (its tokens, no stop token appended) instead of dropping it: every token is
+    # still the target's own continuation, so a draft learns from it; the cut replies are the longest ones
+    keep_unfinished: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -41,7 +44,10 @@ class GenParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.keep_unfinished:  # absent when off: stages fingerprinted before the option resume as they were
+            del d["keep_unfinished"]
+        return d
 
 
 @dataclass(frozen=True)

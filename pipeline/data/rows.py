@@ -19,7 +19,9 @@ Bad input is counted, not silently dropped, under these reasons (stats.json, the
   empty_assistant_turn  an assistant turn with empty content: its row and every later row of the conversation
   too_long              rendered prompt (+ reply) longer than max_len tokens
   generation_failed     the generation batch raised (a shard where every batch raised stops the run instead)
-  generation_unfinished no stop token within max_new_tokens: the reply would be cut, so it is dropped
+  generation_unfinished no stop token within max_new_tokens: the reply would be cut, so it is dropped (with
+                        GenParams.keep_unfinished it is kept as cut, no stop token appended, and counted under
+                        stats.json's `unfinished_kept` instead)
   empty_generation      the target stopped at once (whitespace-only reply)
 A template that marks no assistant token at all is a configuration error and raises (render_chat).
 
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 
 REASONS = ("malformed_record", "empty_prompt", "no_assistant_turn", "empty_assistant_turn", "too_long",
            "generation_failed", "generation_unfinished", "empty_generation")
+KEPT_UNFINISHED = "unfinished_kept"  # counted beside the drops in a shard's counts, reported apart
 FORMAT_VERSION = 1
 SCHEMA = pa.schema([
     ("row_id", pa.string()),  # "<source_index>-<turn_index>"
@@ -252,9 +255,11 @@ def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams
 def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokenizer, max_len: int,
                    params: GenParams, bad: Counter) -> dict | None:
     if not gen.finished:
-        bad["generation_unfinished"] += 1
-        return None
-    text = tokenizer.decode(gen.token_ids[:-1], skip_special_tokens=False)
+        if not params.keep_unfinished:
+            bad["generation_unfinished"] += 1
+            return None
+        bad[KEPT_UNFINISHED] += 1  # not a drop: summarize() reports it apart
+    text = tokenizer.decode(gen.token_ids[:-1] if gen.finished else gen.token_ids, skip_special_tokens=False)
     if not text.strip():
         bad["empty_generation"] += 1
         return None
@@ -262,7 +267,7 @@ def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokeni
         bad["too_long"] += 1
         return None
     ids = list(prompt_ids) + list(gen.token_ids)
-    mask = [False] * len(prompt_ids) + [True] * len(gen.token_ids)  # the reply and its stop token
+    mask = [False] * len(prompt_ids) + [True] * len(gen.token_ids)  # the reply and its stop token (if it has one)
     return _row_dict(spec, text, ids, mask, params)
 
 
