@@ -7,8 +7,9 @@
     python bench/learning_curve.py --hours 0.25 --data default --ours-only --work-dir runs/lc-real  (one arm of a
         comparison at equal CPU-hours: real text, our evaluator only)
 
-1. Data: the data stage of bench/drafters.py's cpu scale (400 training prompts, never an evaluation prompt, the
-   target's own replies sampled at T = 0.8), or --data, an existing data-stage directory. Its cost is the data
+1. Data: the data stage of bench/drafters.py's cpu scale (400 training prompts, never an evaluation prompt) with
+   the data this issue chose (DATA_RECIPE: the target's own replies sampled at T = 1, top-p 1, replies cut at the
+   256-token budget kept as cut), or --data, an existing data-stage directory. Its cost is the data
    stage's and is reported apart: it is paid once per target and shared by every draft trained on it.
    --data default trains on real text instead: the embedded corpus (stdlib code + docstring chats), --real-samples
    rows read in order, which cost no data stage.
@@ -82,6 +83,9 @@ GAMMAS = [2, 5]
 DRAFT_VOCAB = 4096
 NO_DRAFT = 1.01  # a p-min no sigmoid confidence reaches: the draft runs every round and drafts nothing
 SHORT = 0.98  # a segment ending below this share of its mark is followed by another
+# the data stage's sampling when the bench makes its own data (docs/design-notes.md, items 3 and 4: T = 1 replies
+# taught more acceptance than greedy ones or real text, and keeping the cut replies more again)
+DATA_RECIPE = dict(regen_temperature=1.0, regen_top_p=1.0, regen_keep_unfinished=True)
 
 
 def log(msg: str) -> None:
@@ -286,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-prompts", type=int, default=None,
                    help="training prompts the data stage regenerates (default: bench/drafters.py's cpu scale, 400)")
     p.add_argument("--regen-max-new", type=int, default=None, help="the data stage's reply budget (default 256)")
-    p.add_argument("--regen-temperature", type=float, default=None,
-                   help="the data stage's sampling temperature, 0 = greedy (default 0.8, with top-p 0.95)")
-    p.add_argument("--regen-top-p", type=float, default=None, help="the data stage's top-p (default 0.95)")
-    p.add_argument("--regen-keep-unfinished", action="store_true",
-                   help="the data stage keeps replies cut at its reply budget instead of dropping them")
+    p.add_argument("--regen-temperature", type=float, default=DATA_RECIPE["regen_temperature"],
+                   help="the data stage's sampling temperature, 0 = greedy (default %(default)s)")
+    p.add_argument("--regen-top-p", type=float, default=DATA_RECIPE["regen_top_p"],
+                   help="the data stage's top-p (default %(default)s)")
+    p.add_argument("--regen-drop-unfinished", action="store_true",
+                   help="the data stage drops replies cut at its reply budget (default: keeps them as cut)")
     p.add_argument("--regen-batch", type=int, default=None,
                    help="prompts per generate call, in one process on all cores instead of bench/drafters.py's 2 "
                         "Ray workers at 8 (64: 2.5x the tokens per second of 8 on 2 cores)")
@@ -350,11 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             scale["regen_ray"] = args.data_prompts >= 64  # Ray's start costs more than it saves on a few prompts
         if args.regen_max_new is not None:
             scale["regen_max_new"] = args.regen_max_new
-        if args.regen_temperature is not None:
-            scale["regen_temperature"] = args.regen_temperature
-        if args.regen_top_p is not None:
-            scale["regen_top_p"] = args.regen_top_p
-        scale["regen_keep_unfinished"] = args.regen_keep_unfinished
+        scale["regen_temperature"], scale["regen_top_p"] = args.regen_temperature, args.regen_top_p
+        scale["regen_keep_unfinished"] = not args.regen_drop_unfinished
         if args.regen_batch is not None:
             scale["regen_batch"], scale["regen_ray"] = args.regen_batch, False
         data = stage_data(work, scale, logging.getLogger("learning_curve"))
