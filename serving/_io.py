@@ -1,4 +1,5 @@
-"""JSON files of the serving package (calibration.json, SPS tables): atomic writes, one-line read errors."""
+"""Files of the serving package: JSON (calibration.json, SPS tables) with atomic writes and one-line read errors,
+and where a Hugging Face checkpoint keeps each tensor."""
 
 from __future__ import annotations
 
@@ -27,3 +28,21 @@ def read_json(path: str | Path, what: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed {what} {path}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_weight_map(checkpoint: str | Path) -> dict[str, str]:
+    """{tensor name: file name} of a checkpoint directory: its model.safetensors.index.json, else the keys of every
+    *.safetensors file in it (empty when it has none)."""
+    from safetensors import safe_open
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / SAFETENSORS_INDEX).is_file():
+        return json.loads((checkpoint / SAFETENSORS_INDEX).read_text())["weight_map"]
+    weight_map = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), shard.name))
+    return weight_map

@@ -37,6 +37,8 @@ import torch
 from draft_model.config import DraftConfig
 from draft_model.dsv4 import export_state
 from pipeline.export import read_export, write_export_dir
+from serving._io import SAFETENSORS_INDEX as INDEX
+from serving._io import safetensors_weight_map
 from serving.dsv4_gguf_export import require_resolved_dsv4
 
 QK = 32  # values per MXFP4 block (one E8M0 scale each)
@@ -136,7 +138,6 @@ SHARED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_valu
                "rope_theta", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
                "scoring_func", "routed_scaling_factor", "norm_topk_prob", "swiglu_limit", "hc_mult",
                "hc_sinkhorn_iters", "hc_eps")
-INDEX = "model.safetensors.index.json"
 DRAFTER_FILE = "model-dspark-drafter.safetensors"
 
 
@@ -165,16 +166,7 @@ def merge_into_checkpoint(export_dir: str | Path, target_dir: str | Path, out_di
         if not same:
             raise ValueError(f"the drafter's {key} is {ours[key]!r}, the target's config.json says {theirs!r}: "
                              "engines build the drafter from the target's config, so they must be equal")
-    if (src / INDEX).is_file():
-        weight_map = json.loads((src / INDEX).read_text())["weight_map"]
-    else:
-        from safetensors import safe_open
-
-        shards = sorted(src.glob("*.safetensors"))
-        weight_map = {}
-        for shard in shards:
-            with safe_open(str(shard), "pt") as f:
-                weight_map.update({k: shard.name for k in f.keys()})
+    weight_map = safetensors_weight_map(src)
     if clash := sorted(k for k in weight_map if k.startswith("mtp.")):
         raise ValueError(f"{src} already holds mtp.* tensors ({clash[0]}, ... {len(clash)}: its own MTP module or "
                          "drafter); remove them from the checkpoint first")

@@ -17,12 +17,13 @@ Legend: V target vocabulary, N draft vocabulary, D hidden size, r Markov rank.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from serving._io import safetensors_weight_map
 
 D2T = "d2t"
 LM_HEAD = "lm_head.weight"
@@ -61,16 +62,10 @@ def target_lm_head(target_dir: str | os.PathLike) -> torch.Tensor:
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    else:
-        single = target_dir / "model.safetensors"
-        if not single.is_file():
-            raise FileNotFoundError(f"target {target_dir} has no model.safetensors (the LM head of a reduced draft "
-                                    "vocabulary is read from it)")
-        with safe_open(str(single), "pt") as f:
-            where = dict.fromkeys(f.keys(), single.name)
+    where = safetensors_weight_map(target_dir)
+    if not where:
+        raise FileNotFoundError(f"target {target_dir} has no safetensors weights (the LM head of a reduced draft "
+                                "vocabulary is read from them)")
     for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):
         if name in where:
             with safe_open(str(target_dir / where[name]), "pt") as f:
