@@ -169,6 +169,10 @@ def test_cut_replies_are_kept_as_cut_only_when_asked(tok, tmp_path):
     table, bad = build_shard([{"prompt": "a"}, {"prompt": "b"}], 0, tok, max_len=64, params=drop,
                              generator=ScriptedGenerator([[cut, done]]), batch_size=2)
     assert table.column("row_id").to_pylist() == ["1-1"] and dict(bad) == {"generation_unfinished": 1}
+    # a cut reply dropped for another reason is that drop only, not also a kept one
+    table, bad = build_shard([{"prompt": "a"}], 0, tok, max_len=len(p_ids) + 2, params=keep,
+                             generator=ScriptedGenerator([[cut]]), batch_size=2)
+    assert len(table) == 0 and dict(bad) == {"too_long": 1}
 
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
     stats = run_data_stage([str(src)], tok, tmp_path / "out", max_len=64, params=keep, batch_size=2,

@@ -254,11 +254,9 @@ def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams
 
 def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokenizer, max_len: int,
                    params: GenParams, bad: Counter) -> dict | None:
-    if not gen.finished:
-        if not params.keep_unfinished:
-            bad["generation_unfinished"] += 1
-            return None
-        bad[KEPT_UNFINISHED] += 1  # not a drop: summarize() reports it apart
+    if not gen.finished and not params.keep_unfinished:
+        bad["generation_unfinished"] += 1
+        return None
     text = tokenizer.decode(gen.token_ids[:-1] if gen.finished else gen.token_ids, skip_special_tokens=False)
     if not text.strip():
         bad["empty_generation"] += 1
@@ -268,6 +266,8 @@ def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokeni
         return None
     ids = list(prompt_ids) + list(gen.token_ids)
     mask = [False] * len(prompt_ids) + [True] * len(gen.token_ids)  # the reply and its stop token (if it has one)
+    if not gen.finished:
+        bad[KEPT_UNFINISHED] += 1  # a row written, not a drop: summarize() reports it apart
     return _row_dict(spec, text, ids, mask, params)
 
 
