@@ -172,7 +172,7 @@ def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threa
     measure it; τ is measured with full blocks (p-min 0), the blocks our evaluator drafts. With several `gammas`
     (llama.cpp's --spec-draft-n-max, at most the trained block) the block length is tuned with the threshold.
     `draft_vocab`: (ids_N, lm_head_VD), the reduced draft vocabulary the export is written with."""
-    from serve_llamacpp import engine_rounds, rounds_tau, server_speed
+    from serve_llamacpp import engine_rounds, rounds_tau, server_speeds
 
     from serving.engine_export import target_facts, write_engine_export
     from workers.target.model import resolve_target_path
@@ -188,22 +188,25 @@ def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threa
               for ds in dict.fromkeys(name for name, _, _ in items)}
     grid = [(min(g, gamma), p) for g in dict.fromkeys(gammas) for p in p_mins]
     tuning = {}
-    if len(grid) > 1:
-        tune_base = server_speed(target_gguf, None, tune_items, 0.0, max_new, gamma, threads)
-        tuning = {f"{g}:{p:g}": server_speed(target_gguf, draft_gguf, tune_items, 0.0, max_new, g, threads, p)
-                  / tune_base for g, p in grid}
+    if len(grid) > 1:  # every configuration and the target alone served side by side, prompt by prompt
+        tok_s = server_speeds(target_gguf, {"alone": None, **{f"{g}:{p:g}": (draft_gguf, g, p) for g, p in grid}},
+                              tune_items, 0.0, max_new, threads)
+        tuning = {k: v / tok_s["alone"] for k, v in tok_s.items() if k != "alone"}
         log("γ:p-min tuning (speed-up on the tuning prompts): "
             + ", ".join(f"{k} {v:.3f}" for k, v in tuning.items()))
     n_max, p_min = grid[0]
     if tuning:
         best = max(tuning, key=tuning.get).split(":")
         n_max, p_min = int(best[0]), float(best[1])
-    base = server_speed(target_gguf, None, items, 0.0, max_new, gamma, threads)
-    full = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, gamma, threads)
-    spec = (full if (n_max, p_min) == (gamma, 0) else
-            server_speed(target_gguf, draft_gguf, items, 0.0, max_new, n_max, threads, p_min))
-    # the draft's fixed cost: it runs every round, but no confidence reaches NO_DRAFT, so nothing is verified
-    idle = server_speed(target_gguf, draft_gguf, items, 0.0, max_new, n_max, threads, NO_DRAFT)
+    configs = {"alone": None, "full": (draft_gguf, gamma, 0.0), "spec": (draft_gguf, n_max, p_min),
+               # the draft's fixed cost: it runs every round, but no confidence reaches NO_DRAFT, so nothing is
+               # verified
+               "idle": (draft_gguf, n_max, NO_DRAFT)}
+    if (n_max, p_min) == (gamma, 0.0):
+        del configs["spec"]
+    tok_s = server_speeds(target_gguf, configs, items, 0.0, max_new, threads)
+    base, full, idle = tok_s["alone"], tok_s["full"], tok_s["idle"]
+    spec = tok_s.get("spec", full)
     return {"tau_T0_engine": sum(by_set.values()) / len(by_set), "tau_T0_engine_sets": by_set,
             "tau_T0_engine_pooled": rounds_tau(rounds), "speedup_T0_engine": spec / base,
             "speedup_T0_engine_full": full / base, "speedup_T0_engine_idle": idle / base, "tok_s_alone": base,

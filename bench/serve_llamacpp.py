@@ -318,37 +318,66 @@ def wrong_conventions(deepspec: Path, work: Path) -> dict[str, Path]:
     return out
 
 
-def server_speed(target_gguf: Path, draft_gguf: Path | None, items, temperature: float, max_new: int, gamma: int,
-                 threads: int, p_min: float = 0.0) -> float:
-    """Mean decode tok/s of llama-server over the prompts (with the draft when given, cut at confidence p_min)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(llamacpp.binary("llama-server")), "-m", str(target_gguf), "--port", str(port), "-t", str(threads),
-           "-c", "4096", "--metrics", "-np", "1"]
-    if draft_gguf is not None:
-        cmd += draft_flags(draft_gguf, gamma, p_min)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        speeds = []
+def server_speeds(target_gguf: Path, configs: dict, items, temperature: float, max_new: int, threads: int
+                  ) -> dict[str, float]:
+    """Mean decode tok/s of llama-server over the prompts, per configuration: `configs` maps a name to None (the
+    target alone) or to (draft_gguf, gamma, p_min) (the draft's blocks of gamma slots, cut at confidence p_min).
+
+    One server per configuration runs for the whole measurement, and each prompt goes to every server in turn (the
+    order rotating with the prompt), one request at a time, so an idle server takes no CPU. A ratio of two
+    configurations is then paired prompt by prompt: neither the machine's drift over minutes nor the speed a
+    server keeps from its start enters it, as both do when one server is timed after another (docs/design-notes.md,
+    "Timing llama-server side by side"). The model files are memory-mapped, so the servers share the target's
+    weights."""
+    with contextlib.ExitStack() as stack:
+        urls, procs = {}, {}
+        for name, cfg in configs.items():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [str(llamacpp.binary("llama-server")), "-m", str(target_gguf), "--port", str(port), "-t",
+                   str(threads), "-c", "4096", "--metrics", "-np", "1"]
+            if cfg is not None:
+                cmd += draft_flags(*cfg)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stack.callback(_stop, proc)
+            urls[name], procs[name] = f"http://127.0.0.1:{port}", proc
+        for name, url in urls.items():
+            _wait_healthy(url, procs[name], name)
+        names = list(urls)
+        speeds: dict[str, list[float]] = {name: [] for name in names}
         for i, (_, text, _) in enumerate(items):
-            body = json.dumps({"prompt": text, "n_predict": max_new, "temperature": temperature, "seed": i,
-                               "cache_prompt": False}).encode()
-            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as r:
-                speeds.append(json.loads(r.read())["timings"]["predicted_per_second"])
-        return sum(speeds) / len(speeds)
-    finally:
-        proc.terminate()
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                body = json.dumps({"prompt": text, "n_predict": max_new, "temperature": temperature, "seed": i,
+                                   "cache_prompt": False}).encode()
+                req = urllib.request.Request(urls[name] + "/completion", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    speeds[name].append(json.loads(r.read())["timings"]["predicted_per_second"])
+        return {name: sum(v) / len(v) for name, v in speeds.items()}
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout_s: float = 300.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server for {name} exited with status {proc.returncode} before serving "
+                               f"(run its command by hand to see why: {' '.join(proc.args)})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"llama-server for {name} did not become healthy in {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
         proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def prob_gap(eng: Rounds, eng_probs: list, mine: Rounds, mine_probs: list, gamma: int) -> float:
@@ -514,8 +543,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"control {name}: tau engine {tau_c:.3f}, rounds equal {f_c:.3f} -> {verdict}")
     speed = {}
     for T in (0.0, 1.0):
-        base = server_speed(target_gguf, None, items, T, args.max_new_tokens, gamma, args.threads)
-        spec = server_speed(target_gguf, draft_gguf, items, T, args.max_new_tokens, gamma, args.threads)
+        tok_s = server_speeds(target_gguf, {"alone": None, "draft": (draft_gguf, gamma, 0.0)}, items, T,
+                              args.max_new_tokens, args.threads)
+        base, spec = tok_s["alone"], tok_s["draft"]
         speed[T] = spec / base
         log(f"llama-server T={T:g}: {base:.1f} tok/s alone, {spec:.1f} tok/s with the draft")
     (a0, b0, f0), (a1, b1, _) = res[0.0], res[1.0]
