@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-from launch_helpers import children_cpu_s
+from launch_helpers import DescendantCPU
 
 from evaluation.report import speedup_table, tau_table
 from pipeline.metrics import get_logger
@@ -131,14 +131,15 @@ def stage_data(work: Path, s: dict, log) -> Path:
     if s["regen_ray"]:  # one target worker per core (each single-threaded) beats one process on a busy CPU
         cmd += ["--ray", "--num-workers", str(s["regen_workers"])]
     log.info("data: regenerating %d replies with the target", s["train_prompts"])
-    t0, cpu0 = time.time(), children_cpu_s()
-    subprocess.run(cmd, cwd=REPO, check=True)
+    t0 = time.time()
+    with DescendantCPU() as cpu:  # with --ray, the target workers' CPU never reaches getrusage (DescendantCPU)
+        subprocess.run(cmd, cwd=REPO, check=True)
     # what this run's data stage cost (cost_table): wall seconds and the CPU seconds of its processes (the CLI and,
-    # with --ray, the Ray processes it started and waited for); a resumed stage adds up
+    # with --ray, the Ray processes it started); a resumed stage adds up
     timing = out / "bench_wall.json"
     before = json.loads(timing.read_text()) if timing.is_file() else {}
     timing.write_text(json.dumps({"seconds": before.get("seconds", 0.0) + time.time() - t0,
-                                  "cpu_seconds": before.get("cpu_seconds", 0.0) + children_cpu_s() - cpu0}) + "\n")
+                                  "cpu_seconds": before.get("cpu_seconds", 0.0) + cpu.cpu_s}) + "\n")
     return out
 
 

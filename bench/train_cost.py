@@ -37,12 +37,11 @@ import threading
 import time
 from pathlib import Path
 
-from launch_helpers import LAUNCH, REPO, quiet_env
+from launch_helpers import LAUNCH, REPO, TICK, proc_cpu, quiet_env
 
 SAMPLE_S = 0.25
 MODES = {"single": ["--single-process"], "ray1": ["cluster.num_trainers=1"], "ray2": ["cluster.num_trainers=2"]}
 ROLES = ("driver", "target", "service", "trainer", "ray")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_s() -> float:
@@ -50,19 +49,6 @@ def machine_busy_s() -> float:
         fields = [int(x) for x in f.readline().split()[1:]]
     # user, nice, system, irq, softirq: not idle, iowait, or steal (another VM's time on this host)
     return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / TICK
-
-
-def proc_cpu(pid: int) -> tuple[float, str] | None:
-    """(user + system CPU seconds of all its threads, command line) of a live process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return None
-    rest = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-    return (int(rest[11]) + int(rest[12])) / TICK, cmd
 
 
 # Ray's own processes, by the name in their command line (the rest: "other")

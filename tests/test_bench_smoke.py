@@ -215,3 +215,33 @@ def test_bench_prints_its_figure_line(name, tmp_path):
     lines = res.stdout.strip().splitlines()
     assert lines, res.stderr[-3000:]
     assert re.fullmatch(pattern, lines[-1].strip()), (lines[-1], pattern)
+
+
+
+# A parent that does not wait for its child (SIGCHLD ignored: the kernel reaps the child and drops its CPU
+# time), as Ray's raylet treats its workers; the child burns CPU meanwhile.
+UNWAITED = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+burn = "import time\\nend = time.process_time() + 0.8\\nwhile time.process_time() < end: pass"
+pid = subprocess.Popen([sys.executable, "-c", burn]).pid
+while True:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_a_data_stage_is_charged_the_cpu_of_children_nobody_waits_for():
+    """bench/drafters.stage_data's cost: the CPU of Ray's target workers never reached getrusage (a 2-worker stage
+    of an hour was charged 92 CPU seconds), so the stage samples its descendants in /proc (the control: what
+    getrusage would have charged)."""
+    from launch_helpers import DescendantCPU, children_cpu_s
+
+    before = children_cpu_s()
+    with DescendantCPU(period=0.05) as cpu:
+        subprocess.run([sys.executable, "-c", UNWAITED], check=True, timeout=60)
+    assert children_cpu_s() - before < 0.7  # the parent's own start-up only: the child's 0.8 s are lost
+    assert cpu.cpu_s >= 0.7 + (children_cpu_s() - before) * 0.5
