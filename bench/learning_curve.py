@@ -260,6 +260,7 @@ def extrapolate(points: list[dict]) -> str:
 
 def plot(points: list[dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -272,6 +273,9 @@ def plot(points: list[dict], path: Path) -> None:
                 continue
             ax.plot(x, [p[field] for p in points], style, label=field)
         ax.set_xscale("log")
+        # ticks at the marks: a span under a decade has no major log tick, and matplotlib labels every minor one
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(x, [f"{v:.3g}" if key == "cpu_h" else f"{v / 1e3:,.0f}k" for v in x])
         ax.set_xlabel(label)
         ax.set_ylabel("τ (tokens per round)")
         ax.grid(alpha=0.3)
