@@ -63,15 +63,16 @@ def children_cpu_s() -> float:
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _proc_stat(pid: int) -> tuple[int, float, str] | None:
-    """(parent pid, user + system CPU seconds of all its threads, the raw stat line) of a live process."""
+def _proc_stat(pid: int) -> tuple[int, float, int] | None:
+    """(parent pid, user + system CPU seconds of all its threads, start time in clock ticks after boot) of a live
+    process; the start time tells a reused pid from the process that had it."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    rest = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-    return int(rest[1]), (int(rest[11]) + int(rest[12])) / TICK, stat
+    rest = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": fields 3, 4, ...
+    return int(rest[1]), (int(rest[11]) + int(rest[12])) / TICK, int(rest[19])
 
 
 def proc_cpu(pid: int) -> tuple[float, str] | None:
@@ -96,7 +97,7 @@ class DescendantCPU(threading.Thread):
     def __init__(self, period: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.period, self.root = period, os.getpid()
-        self.last: dict[int | str, tuple[str, float]] = {}  # pid -> (its stat line's start, CPU seconds)
+        self.last: dict[tuple[int, int], float] = {}  # (pid, start time) -> CPU seconds when last seen
         self.halt = threading.Event()
         self.cpu_s = 0.0
 
@@ -109,7 +110,8 @@ class DescendantCPU(threading.Thread):
         kids: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in stats.items():
             kids.setdefault(ppid, []).append(pid)
-        todo = [self.root] + [pid for pid in self.last if pid in stats]
+        # this process's tree, and the processes seen in it before that have since been re-parented
+        todo = [self.root] + [pid for pid, start in self.last if pid in stats and stats[pid][2] == start]
         mine: set[int] = set()
         while todo:
             pid = todo.pop()
@@ -117,11 +119,7 @@ class DescendantCPU(threading.Thread):
                 mine.add(pid)
                 todo += kids.get(pid, [])
         for pid in mine - {self.root}:
-            ident = stats[pid][2].split(")")[0]  # "pid (comm": a reused pid with another name is another process
-            old = self.last.get(pid)
-            if old is not None and old[0] != ident:
-                self.last[f"{pid}:{len(self.last)}"] = old  # keep what the earlier process spent
-            self.last[pid] = (ident, stats[pid][1])
+            self.last[(pid, stats[pid][2])] = stats[pid][1]
 
     def __enter__(self) -> DescendantCPU:
         self.start()
@@ -131,7 +129,7 @@ class DescendantCPU(threading.Thread):
         self.halt.set()
         self.join()
         self.sample()
-        self.cpu_s = sum(cpu for _, cpu in self.last.values())
+        self.cpu_s = sum(self.last.values())
 
 
 def free_port() -> int:

@@ -217,7 +217,6 @@ def test_bench_prints_its_figure_line(name, tmp_path):
     assert re.fullmatch(pattern, lines[-1].strip()), (lines[-1], pattern)
 
 
-
 # A parent that does not wait for its child (SIGCHLD ignored: the kernel reaps the child and drops its CPU
 # time), as Ray's raylet treats its workers; the child burns CPU meanwhile.
 UNWAITED = """
