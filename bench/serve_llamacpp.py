@@ -47,7 +47,6 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ import urllib.request
 from pathlib import Path
 
 import llamacpp
+from launch_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # -v lines of llama-speculative-simple: the drafted token of each slot (candidate 0 is the one drafted), then the
@@ -332,9 +332,7 @@ def server_speeds(target_gguf: Path, configs: dict, items, temperature: float, m
     with contextlib.ExitStack() as stack:
         urls, procs = {}, {}
         for name, cfg in configs.items():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             cmd = [str(llamacpp.binary("llama-server")), "-m", str(target_gguf), "--port", str(port), "-t",
                    str(threads), "-c", "4096", "--metrics", "-np", "1"]
             if cfg is not None:
