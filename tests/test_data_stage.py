@@ -148,6 +148,47 @@ def test_generation_failures_are_counted(tok):
 
 
 
+def test_progress_is_counted_as_each_batch_comes_back(tok, tmp_path, monkeypatch):
+    """A generator that hands its batches over one by one is seen batch by batch: the progress callback runs
+    between one batch and the next, and the data stage's bar moves within a shard instead of once per shard."""
+    events = []
+
+    def lazy(batches, params):
+        for k, (_, prompts) in enumerate(batches):
+            events.append(f"generated {k}")
+            yield [Generation([520, EOS], True) for _ in prompts]
+
+    records = [{"prompt": f"q{i}"} for i in range(5)]
+    table, bad = build_shard(records, 0, tok, max_len=64, params=PARAMS, generator=lazy, batch_size=2,
+                             progress=lambda done, total: events.append(f"progress {done}/{total}"))
+    assert len(table) == 5 and not bad
+    assert events == ["generated 0", "progress 1/3", "generated 1", "progress 2/3", "generated 2", "progress 3/3"]
+
+    import tqdm
+
+    class Bar:  # records what the stage tells its bar
+        moves: list = []
+
+        def __init__(self, *a, initial=0, **kw):
+            self.moves.append(("start", initial))
+
+        def update(self, n):
+            self.moves.append(n)
+
+        def set_postfix(self, **kw):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    src = _write_jsonl(tmp_path / "in.jsonl", records + [{"prompt": "q5"}])
+    run_data_stage([str(src)], tok, tmp_path / "out", max_len=64, params=PARAMS, generator=lazy, batch_size=2,
+                   shard_size=5, target="scripted", progress_bar=True)
+    # shard 0: 5 records over 3 batches (1, 3, 5 records done), then 0 at its commit; shard 1: 1 record, 1 batch
+    assert Bar.moves == [("start", 0), 1, 2, 2, 0, 1, 0]
+
+
 def test_cut_replies_are_kept_as_cut_only_when_asked(tok, tmp_path):
     """--keep-unfinished: a reply cut at max_new_tokens becomes a row of exactly the tokens the target generated (no
     stop token appended, all of them trained), counted as unfinished_kept and not as a drop; without it the row is

@@ -142,9 +142,19 @@ def run_data_stage(inputs: list[str], tokenizer, out_dir: str | os.PathLike, *, 
             lo, hi = s * shard_size, min((s + 1) * shard_size, len(dataset))
             records = dataset[lo:hi]  # a dict of columns
             records = [dict(zip(records, values)) for values in zip(*records.values())]
-            table, dropped = build_shard(records, lo, tokenizer, max_len, params, generator, batch_size)
+            shown = 0  # records of this shard the bar counts as done so far
+
+            def advance(done: int, total: int, lo=lo, hi=hi) -> None:
+                # batches are of rows, the bar is of records: a shard's records are spread evenly over its batches
+                nonlocal shown
+                now = (hi - lo) * done // total
+                bar.update(now - shown)
+                shown = now
+
+            table, dropped = build_shard(records, lo, tokenizer, max_len, params, generator, batch_size,
+                                         progress=advance)
             commit_shard(out, state, key, table, hi - lo, dropped)
-            bar.update(hi - lo)
+            bar.update(hi - lo - shown)
             stats = summarize(state["completed"])
             bar.set_postfix(rows=stats["rows"], dropped=stats["dropped_total"])
     finally:

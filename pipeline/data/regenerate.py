@@ -18,7 +18,7 @@ docs/data_stage.md) but a row's sample depends on its batch-mates' padding and R
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 
@@ -64,5 +64,7 @@ def batch_seed(seed: int, row_id: str) -> int:
 
 # A generator maps [(seed, prompts)] batches to their replies, in order, or to the exception that batch raised (so
 # one failing batch is counted by the data stage instead of losing the others); how it runs them is its own business.
+# It may hand them over one by one as they finish (a generator function): the data stage counts its progress as it
+# receives each batch, so a shard of hundreds of prompts does not sit at 0 % for ten minutes.
 Batches = list[tuple[int, list[list[int]]]]
-ReplyGenerator = Callable[[Batches, GenParams], list[list[Generation] | Exception]]
+ReplyGenerator = Callable[[Batches, GenParams], Iterable[list[Generation] | Exception]]

@@ -51,6 +51,8 @@ import pyarrow.parquet as pq
 from pipeline.data.chat import BUDGET_SAFETY, max_token_chars, render_chat, render_prompt, render_text
 from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
+Progress = Callable[[int, int], None]  # (batches answered, batches in the shard)
+
 log = logging.getLogger(__name__)
 
 REASONS = ("malformed_record", "empty_prompt", "no_assistant_turn", "empty_assistant_turn", "too_long",
@@ -216,7 +218,7 @@ def _row_dict(spec: RowSpec, response: str, ids, mask, params: GenParams | None)
 
 
 def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams, generator: ReplyGenerator,
-                batch_size: int, bad: Counter) -> list[dict]:
+                batch_size: int, bad: Counter, progress: Progress | None) -> list[dict]:
     prompts, kept = [], []
     for spec in specs:
         if surely_too_long(tokenizer, spec.prompt, max_len):
@@ -231,7 +233,11 @@ def _regenerate(specs: list[RowSpec], tokenizer, max_len: int, params: GenParams
     # Batches follow the row order, so the same rows always share a batch (deterministic, see regenerate.py).
     starts = range(0, len(kept), batch_size)
     batches = [(batch_seed(params.seed, kept[s].row_id), prompts[s:s + batch_size]) for s in starts]
-    results = generator(batches, params) if batches else []
+    results = []
+    for result in (generator(batches, params) if batches else []):
+        results.append(result)
+        if progress is not None:
+            progress(len(results), len(batches))
     assert len(results) == len(batches), "the generator must answer every batch"
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures and len(failures) == len(results):
@@ -272,9 +278,11 @@ def _generated_row(spec: RowSpec, prompt_ids: list[int], gen: Generation, tokeni
 
 
 def build_shard(records: list[dict], first_index: int, tokenizer, max_len: int, params: GenParams | None = None,
-                generator: ReplyGenerator | None = None, batch_size: int = 8) -> tuple[pa.Table, Counter]:
+                generator: ReplyGenerator | None = None, batch_size: int = 8,
+                progress: Progress | None = None) -> tuple[pa.Table, Counter]:
     """Rows of `records` (source indices first_index, ...) as a table in (source_index, turn_index) order, plus
-    the counts of what was dropped and why."""
+    the counts of what was dropped and why. When regenerating, `progress(done, total)` is called as each batch's
+    replies come back."""
     if (params is None) != (generator is None):
         raise ValueError("regeneration needs both generation params and a generator")
     bad: Counter = Counter()
@@ -289,7 +297,7 @@ def build_shard(records: list[dict], first_index: int, tokenizer, max_len: int, 
         specs += rows
         bad.update(row_bad)
     if params is not None:
-        rows = _regenerate(specs, tokenizer, max_len, params, generator, batch_size, bad)
+        rows = _regenerate(specs, tokenizer, max_len, params, generator, batch_size, bad, progress)
     else:
         rows = []
         for spec in specs:

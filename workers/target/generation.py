@@ -12,6 +12,8 @@ Legend (shape suffixes): B prompts in the batch, L longest prompt, N new tokens 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from pipeline.data.regenerate import Batches, Generation, GenParams
@@ -62,33 +64,35 @@ class LocalGenerator:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
 
-    def __call__(self, batches: Batches, params: GenParams) -> list[list[Generation] | Exception]:
-        out: list[list[Generation] | Exception] = []
+    def __call__(self, batches: Batches, params: GenParams) -> Iterator[list[Generation] | Exception]:
         for seed, prompts in batches:
             try:
-                out.append(generate_batch(self.model, self.tokenizer, prompts, params, seed))
+                yield generate_batch(self.model, self.tokenizer, prompts, params, seed)
             except Exception as e:  # counted per row by the caller; a systematic failure is raised there
-                out.append(e)
-        return out
+                yield e
 
 
 class RayGenerator:
-    """Spreads the batches over TargetWorker actors (round robin) and waits for all of them."""
+    """Spreads the batches over TargetWorker actors (round robin), all submitted at once, and hands the replies over
+    in batch order as they arrive."""
 
     def __init__(self, actors: list):
         if not actors:
             raise ValueError("RayGenerator needs at least one target worker actor")
         self.actors = actors
 
-    def __call__(self, batches: Batches, params: GenParams) -> list[list[Generation] | Exception]:
-        import ray
-
+    def __call__(self, batches: Batches, params: GenParams) -> Iterator[list[Generation] | Exception]:
+        # submitted here, before the first reply is awaited, so every actor has work while the caller iterates
         refs = [self.actors[i % len(self.actors)].generate.remote(prompts, params, seed)
                 for i, (seed, prompts) in enumerate(batches)]
-        out: list[list[Generation] | Exception] = []
+        return self._collect(refs)
+
+    @staticmethod
+    def _collect(refs: list) -> Iterator[list[Generation] | Exception]:
+        import ray
+
         for ref in refs:
             try:
-                out.append(ray.get(ref))
+                yield ray.get(ref)
             except Exception as e:  # RayTaskError / RayActorError: counted per row by the caller
-                out.append(e)
-        return out
+                yield e
