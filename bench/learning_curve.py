@@ -39,7 +39,8 @@
    draft's fixed cost: the speed when the draft runs every round but drafts nothing (a threshold no confidence
    reaches).
 4. The curve as a PNG against CPU-hours and trained tokens (<work-dir>/learning_curve.png), a table, and where it
-   heads (extrapolate: τ − 1 against ln CPU-h, and the break-even τ from the last mark's round cost).
+   heads (extrapolate: τ − 1 against ln CPU-h and the full-block break-even τ from the last mark's round cost;
+   the tuned speed-up against ln CPU-h and where it reaches 1.0).
 
 --ours-only skips llama.cpp (step 3's engine figures print as nan; the extrapolation fits our τ): for comparing
 recipes and data at equal CPU-hours, where llama.cpp's τ follows ours (docs/design-notes.md).
@@ -230,9 +231,12 @@ def evaluate_mark(name: str, export: Path, work: Path, per_set: int, max_new: in
 
 
 def extrapolate(points: list[dict]) -> str:
-    """Where the curve heads: τ_T0_engine - 1 fitted as a·ln(CPU-h) + b over the marks, and the CPU-hours at
-    which it reaches break-even, the τ at which a round (draft + verification) costs what τ tokens of the target
-    alone do: pooled τ_engine / speed-up at the last mark (that mark's round cost, in target-alone tokens).
+    """Where the curve heads, in two lines.
+    1. τ_T0_engine - 1 fitted as a·ln(CPU-h) + b over the marks, and the CPU-hours at which it reaches break-even
+       with full blocks, the τ at which a round (draft + verification) costs what τ tokens of the target alone do:
+       pooled τ_engine / full-block speed-up at the last mark (that mark's round cost, in target-alone tokens).
+    2. The reported speed-up itself (γ and p-min tuned at each mark) fitted the same way, and where it reaches 1.0:
+       the confidence threshold skips the rounds least likely to pay, so it breaks even below the full-block τ.
     Without engine figures (--ours-only): the fit of τ_T0_ours, and no break-even."""
     import math
 
@@ -246,16 +250,27 @@ def extrapolate(points: list[dict]) -> str:
         a, b = np.polyfit(xs, [p["tau_T0_ours"] - 1 for p in points], 1)
         return (f"extrapolation: tau_T0_ours - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks (no engine "
                 f"figures: no break-even)")
+
+    past = last["speedup_T0_engine"] > 1
+
+    def reached(a: float, b: float, goal: float) -> str:
+        if past:
+            return "already past it"
+        if a <= 0:
+            return "no rising trend to extrapolate"
+        log10_h = (goal - b) / a / math.log(10)  # in log space: a nearly flat fit overflows exp()
+        hours = f" ({10 ** log10_h:.3g} CPU-h)" if log10_h < 6 else ""
+        return f"reached at about 10^{log10_h:.1f} CPU-h{hours} if the trend held"
+
     a, b = np.polyfit(xs, [p["tau_T0_engine"] - 1 for p in points], 1)
     breakeven = last["tau_T0_engine_pooled"] / last["speedup_T0_engine_full"]
-    line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "
-            f"tau {breakeven:.2f} (a round of full blocks costs {breakeven:.2f} target-alone tokens at the last mark)")
-    if last["speedup_T0_engine"] > 1:
-        return line + "; already past it"
-    if a <= 0:
-        return line + "; no rising trend to extrapolate"
-    log10_h = (breakeven - 1 - b) / a / math.log(10)  # in log space: a nearly flat fit overflows exp()
-    return line + f"; reached at about 10^{log10_h:.1f} CPU-h if the trend held"
+    tau_line = (f"extrapolation: tau_T0_engine - 1 = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks; break-even "
+                f"tau {breakeven:.2f} (a round of full blocks costs {breakeven:.2f} target-alone tokens at the last "
+                f"mark); " + reached(a, b, breakeven - 1))
+    a, b = np.polyfit(xs, [p["speedup_T0_engine"] for p in points], 1)
+    speed_line = (f"extrapolation: speedup_T0_engine = {a:.4f} ln(cpu_h) + {b:.4f} over {len(points)} marks (γ and "
+                  f"p-min tuned at each mark); 1.0 " + reached(a, b, 1.0))
+    return tau_line + "\n" + speed_line
 
 
 def plot(points: list[dict], path: Path) -> None:

@@ -165,6 +165,26 @@ def test_learning_curve_extrapolates_a_nearly_flat_curve_in_log_space():
     assert f"10^{(1 - b) / a / math.log(10):.1f} CPU-h" in extrapolate(rising)
 
 
+def test_learning_curve_extrapolates_the_tuned_speed_up_to_one():
+    """The second line fits the speed-up the bench reports (γ and p-min tuned per mark) against ln CPU-h and says
+    where it reaches 1.0, in CPU-hours; a falling speed-up has no such point, and a speed-up past 1 says so."""
+    from learning_curve import extrapolate
+
+    mark = dict(tau_T0_engine_pooled=1.3, speedup_T0_engine_full=0.65, tau_T0_ours=1.3, tau_T0_engine=1.3)
+    rising = [dict(mark, cpu_h=0.5, speedup_T0_engine=0.88),
+              dict(mark, cpu_h=1.0, speedup_T0_engine=0.9, tau_T0_engine=1.29)]  # τ falls, the speed-up rises
+    tau_line, speed_line = extrapolate(rising).split("\n")
+    assert tau_line.startswith("extrapolation: tau_T0_engine - 1 =") and "no rising trend" in tau_line
+    a = 0.02 / math.log(2)  # speed-up = a ln h + 0.9 through both marks: 1.0 at ln h = 0.1 / a
+    assert speed_line.startswith(f"extrapolation: speedup_T0_engine = {a:.4f} ln(cpu_h) + 0.9000 over 2 marks")
+    assert speed_line.endswith(f"1.0 reached at about 10^{0.1 / a / math.log(10):.1f} CPU-h "
+                               f"({math.exp(0.1 / a):.3g} CPU-h) if the trend held"), speed_line
+    falling = [dict(mark, cpu_h=0.5, speedup_T0_engine=0.9), dict(mark, cpu_h=1.0, speedup_T0_engine=0.88)]
+    assert extrapolate(falling).endswith("1.0 no rising trend to extrapolate")
+    past = [dict(mark, cpu_h=0.5, speedup_T0_engine=0.95), dict(mark, cpu_h=1.0, speedup_T0_engine=1.02)]
+    assert extrapolate(past).endswith("1.0 already past it")
+
+
 def _export_untrained_dsv4(out: Path) -> None:
     from dataclasses import replace
 
