@@ -446,16 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     points = [state["points"][f"{h:g}"] for h in marks]
     plot(points, work / "learning_curve.png")
     print(f"{'CPU-h':>7}{'steps':>7}{'tokens':>10}{'τ T0 ours':>11}{'τ T0 llama':>12}{'no draft':>10}"
-          f"{'full blocks':>13}{'γ':>3}{'p-min':>7}{'speed-up':>10}{'τ T1 ours':>11}")
+          f"{'full blocks':>13}{'γ':>3}{'p-min':>7}{'speed-up':>10}{'over no draft':>15}{'τ T1 ours':>11}")
     nan = float("nan")
     for pt in points:
         print(f"{pt['cpu_h']:>7.3f}{pt['steps']:>7}{pt['trained_tokens']:>10}{pt['tau_T0_ours']:>11.3f}"
               f"{pt['tau_T0_engine']:>12.3f}{pt.get('speedup_T0_engine_idle', nan):>10.3f}"
               f"{pt.get('speedup_T0_engine_full', nan):>13.3f}{pt.get('n_max', 5):>3}{pt.get('p_min', nan):>7.2f}"
-              f"{pt['speedup_T0_engine']:>10.3f}{pt['tau_T1_ours']:>11.3f}")
+              f"{pt['speedup_T0_engine']:>10.3f}"
+              f"{pt['speedup_T0_engine'] / pt.get('speedup_T0_engine_idle', nan):>15.3f}{pt['tau_T1_ours']:>11.3f}")
     print("(llama-server with the draft over the target alone, greedy. speed-up: at the γ and p-min picked on the "
           "tuning prompts; full blocks: trained γ at p-min 0; no draft: the draft runs every round at the picked γ "
-          "and drafts nothing, its fixed cost)")
+          "and drafts nothing, its fixed cost; over no draft: speed-up / no draft, what the accepted tokens gain, "
+          "steadier than either when the target's own speed drifts between marks)")
     print(extrapolate(points))
     last = points[-1]
     print(f"learning_curve cpu_h={last['cpu_h']:.3f} trained_tokens={last['trained_tokens']} "
