@@ -208,7 +208,7 @@ def stage_latency(work: Path, data: Path, s: dict, log) -> dict:
     from draft_model.registry import build_draft
     from evaluation.drafters import DecodeContext, make_drafter
     from evaluation.session import sync
-    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
 
     path = work / "latency.json"
     context, repeats = 192, 15

@@ -27,7 +27,13 @@ from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
 from draft_model.loss import dspark_loss, expected_tau
 from pipeline.export import load_exported_draft
-from workers.target.model import capture_features, embedding_weights, load_target, load_tokenizer, resolve_target_path
+from workers.frozen_target.model import (
+    capture_features,
+    embedding_weights,
+    load_target,
+    load_tokenizer,
+    resolve_target_path,
+)
 
 REFERENCE_CONTEXT = dsv4.DSV4Context
 

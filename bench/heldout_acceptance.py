@@ -64,7 +64,7 @@ def main() -> None:
     from pipeline.contracts import FeatureBatch
     from pipeline.export import load_exported_draft
     from pipeline.packing import pack
-    from workers.target.model import capture_features, embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import capture_features, embedding_weights, load_target, resolve_target_path
 
     torch.set_grad_enabled(False)
     target, tok = load_target(resolve_target_path(args.target), torch.float32)

@@ -176,7 +176,7 @@ def engine_eval(export: Path, work: Path, items, tune_items, max_new: int, threa
     from serve_llamacpp import engine_rounds, rounds_tau, server_speeds
 
     from serving.engine_export import target_facts, write_engine_export
-    from workers.target.model import resolve_target_path
+    from workers.frozen_target.model import resolve_target_path
 
     target_dir = resolve_target_path("smollm2")
     deepspec = write_engine_export(export, "deepspec", work / "deepspec", target_facts(target_dir, "smollm2"),
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve_llamacpp import prompts
 
-    from workers.target.model import load_tokenizer, resolve_target_path
+    from workers.frozen_target.model import load_tokenizer, resolve_target_path
 
     tokenizer = load_tokenizer(resolve_target_path("smollm2"))
     items = prompts(args.per_set, tokenizer)

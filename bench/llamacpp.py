@@ -90,12 +90,12 @@ def convert(model_dir: Path, out_file: Path, target_dir: Path | None = None, out
 
 
 def target_gguf(name: str = "smollm2") -> Path:
-    """The target `name` (workers.target.model.resolve_target_path's names: smollm2, the tiny random targets) as an
-    f32 GGUF written by llama.cpp's converter, converted once under home(); written under a temporary name first,
-    so an interrupted conversion is never taken for a finished one."""
+    """The target `name` (workers.frozen_target.model.resolve_target_path's names: smollm2, the tiny random
+    targets) as an f32 GGUF written by llama.cpp's converter, converted once under home(); written under a temporary
+    name first, so an interrupted conversion is never taken for a finished one."""
     out = home() / ("smollm2-135m-f32.gguf" if name == "smollm2" else f"{name}-seed0-f32.gguf")
     if not out.is_file():
-        from workers.target.model import resolve_target_path
+        from workers.frozen_target.model import resolve_target_path
 
         print(f"converting the target {name} (f32) with llama.cpp's converter", file=sys.stderr, flush=True)
         partial = out.with_name(out.name + ".partial")

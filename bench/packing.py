@@ -24,7 +24,7 @@ import torch
 
 from pipeline.contracts import FeatureBatch
 from pipeline.packing import pack, padded_baseline_density
-from workers.target.model import smollm2_tokenizer
+from workers.frozen_target.model import smollm2_tokenizer
 
 MODULES = ["ast", "json", "email", "argparse", "inspect", "typing", "dataclasses", "textwrap", "difflib",
            "logging", "http", "collections", "pathlib", "functools"]

@@ -25,9 +25,9 @@ from pipeline.config import load_config
 from pipeline.metrics import get_logger, read_jsonl_metrics
 from pipeline.packing import pack
 from workers.driver import REPO, connect_ray, run_training
+from workers.frozen_target.feature_service import FeatureService
+from workers.frozen_target.model import resolve_target_path
 from workers.inputs import load_samples, write_run_samples
-from workers.target.feature_service import FeatureService
-from workers.target.model import resolve_target_path
 
 
 def target_only(cfg, samples_path: Path, target_path: Path, batches: int, warmup: int) -> float:

@@ -26,8 +26,8 @@ def main() -> None:
 
     from pipeline.data.chat import render_prompt
     from pipeline.data.regenerate import GenParams, batch_seed
-    from workers.target.generation import generate_batch
-    from workers.target.model import load_target, smollm2_path
+    from workers.frozen_target.generation import generate_batch
+    from workers.frozen_target.model import load_target, smollm2_path
 
     model, tok = load_target(smollm2_path())
     model.to(args.device)

@@ -9,7 +9,7 @@
    (evaluation/calibrate.split_prompts, serving.calibration.fit_sts), ECE reported on the other half; ONLY the
    held-out half of the prompts is replayed below, for every drafter alike (calibration.json is written to this
    bench's directory, not into the shared export);
-4. SPS: measured on this machine (workers.target.engine_step.profile) -> sps_cpu.json, and a GPU-shaped table
+4. SPS: measured on this machine (workers.frozen_target.engine_step.profile) -> sps_cpu.json, and a GPU-shaped table
    loaded from --gpu-table (default serving/tables/gpu_stepcurve_example.json, a SYNTHETIC shape: the bench says so);
 5. serving.simulator sweeps over concurrency R on both curves: DSpark under static γ = 1..7, threshold τ = 0.5,
    Algorithm 1 and async; DFlash, Eagle3 and the draft LM at static γ = 7; MTP-1 (ℓ = 1, B = 2 per request).
@@ -131,7 +131,7 @@ def load_streams(path: Path, held: dict[str, np.ndarray], temps) -> tuple[list[l
 
 
 def stage_sps(work: Path, t: dict, log) -> SPSTable:
-    from workers.target.engine_step import profile
+    from workers.frozen_target.engine_step import profile
 
     path = work / "scheduling" / "sps_cpu.json"
     if path.is_file():

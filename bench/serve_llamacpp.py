@@ -199,7 +199,7 @@ def ours(export: Path, items, temperature: float, max_new: int, probs: list | No
 
     from evaluation.drafters import load_drafter
     from evaluation.session import RoundLog, generate
-    from workers.target.model import load_target, resolve_target_path
+    from workers.frozen_target.model import load_target, resolve_target_path
 
     target, tok = load_target(resolve_target_path(target_name), dtype=torch.float32)
     inner = load_drafter(export, target, calibrated=False)
@@ -402,7 +402,7 @@ def serve_dsv4(args: argparse.Namespace) -> int:
     from serving.dsv4_gguf_export import dsv4_draft_config, write_export_gguf
     from serving.engine_export import target_facts
     from serving.gguf_dsv4 import TargetFacts, write_dsv4_gguf
-    from workers.target.model import load_tokenizer, resolve_target_path
+    from workers.frozen_target.model import load_tokenizer, resolve_target_path
 
     run_dir, name = Path(args.run_dir), args.target
     suffix = "" if name == "smollm2" else f"-{name}"
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("error: --target applies to --preset v4-deepseek; the servable preset is served on smollm2")
 
     from serving.engine_export import target_facts, write_engine_export
-    from workers.target.model import load_tokenizer, resolve_target_path
+    from workers.frozen_target.model import load_tokenizer, resolve_target_path
 
     run_dir = Path(args.run_dir)
     export = Path(args.export) if args.export else train(run_dir / "servable", args.steps, [])

@@ -1,7 +1,7 @@
 """TP = 1 vs TP = 2 target workers on one target, in one run: the same features, the weights really split, and the
 feature throughput of each.
 
-TP = 1 is one TargetWorker actor (1 CPU, or 1 GPU); TP = 2 is a target group (workers/target/group.py) of two
+TP = 1 is one TargetWorker actor (1 CPU, or 1 GPU); TP = 2 is a target group (workers/frozen_target/group.py) of two
 members with the same resources each, the target sharded by transformers' tensor parallelism (gloo on CPU, NCCL on
 GPU). Both encode the same batches (random token ids, fp32 features); after one warm-up batch each, the timed
 batches run one after another. max_abs_diff is over every context and final feature of every batch;
@@ -23,9 +23,9 @@ import ray
 
 from pipeline.contracts import TokenizedSample
 from workers.driver import worker_runtime_env
-from workers.target.group import TargetGroup
-from workers.target.model import resolve_target_path
-from workers.target.worker import TargetWorker
+from workers.frozen_target.group import TargetGroup
+from workers.frozen_target.model import resolve_target_path
+from workers.frozen_target.worker import TargetWorker
 
 
 def _batches(n: int, samples: int, seq_len: int, vocab: int) -> list[list[TokenizedSample]]:

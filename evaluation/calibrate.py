@@ -69,7 +69,7 @@ def calibrate(export: Path, target_name: str, prompt_names: list[str], num_promp
     from evaluation.rounds import load_round_arrays, write_rounds
     from evaluation.run import check_exports
     from serving.calibration import calibration_report, fit_sts, plot_reliability, save_calibration
-    from workers.target.model import load_target, resolve_target_path
+    from workers.frozen_target.model import load_target, resolve_target_path
 
     check_exports({"draft": export})
     if not (math.isfinite(temperature) and temperature >= 0):

@@ -153,7 +153,7 @@ def load_drafter(export_dir: str | Path, target: nn.Module, name: str | None = N
     Drafter; calibrated by export_dir/calibration.json when present and `calibrated`."""
     from pipeline.export import load_exported_draft
     from serving.calibration import load_calibration
-    from workers.target.model import embedding_weights
+    from workers.frozen_target.model import embedding_weights
 
     export_dir = Path(export_dir)
     if not export_dir.is_dir():

@@ -24,7 +24,7 @@ from evaluation.drafters import Drafter
 from evaluation.session import RoundLog, generate, sync
 from pipeline.data.chat import render_prompt
 from serving.metrics import expected_calibration_error, roc_auc
-from workers.target.model import stop_token_ids
+from workers.frozen_target.model import stop_token_ids
 
 __all__ = ["encode_prompt", "evaluate", "evaluate_many"]
 
@@ -87,7 +87,7 @@ def evaluate(target: nn.Module, tokenizer, drafter: Drafter, prompts: dict[str, 
 
     prompts: dataset name -> prompts (text, chat messages or token ids). Each prompt gets its own generator
     seeded from (seed, dataset, index), so results do not depend on dataset order. eos_token_ids: None = the
-    target's stop tokens (workers.target.model.stop_token_ids: its generation config's and its tokenizer's eos,
+    target's stop tokens (workers.frozen_target.model.stop_token_ids: its generation config's and its tokenizer's eos,
     the rule the data stage's replies ended by); an empty list disables stopping at EOS.
     """
     return evaluate_many(target, tokenizer, [drafter], prompts, temperature, max_new_tokens, seed, eos_token_ids)[0]

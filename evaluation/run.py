@@ -33,7 +33,7 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     from evaluation.report import write_report
     from evaluation.rounds import write_rounds
     from pipeline.atomic import write_text_atomic
-    from workers.target.model import load_target, resolve_target_path
+    from workers.frozen_target.model import load_target, resolve_target_path
 
     check_exports(exports)
     bad = [t for t in temperatures if not t >= 0]

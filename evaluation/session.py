@@ -22,7 +22,7 @@ from torch import nn
 
 from draft_model import sampling
 from evaluation.drafters import DecodeContext, Drafter
-from workers.target.model import FINAL_HIDDEN, layer_features, lm_head_input, target_dims, validate_layers
+from workers.frozen_target.model import FINAL_HIDDEN, layer_features, lm_head_input, target_dims, validate_layers
 
 __all__ = ["RoundLog", "TargetSession", "generate"]
 

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             out = write_export_gguf(src, args.out, args.target_gguf, args.dtype)
             print(f"wrote {args.format} export to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
             return 0
-        from workers.target.model import resolve_target_path
+        from workers.frozen_target.model import resolve_target_path
 
         if args.format in FORMATS:  # refuse an unservable draft before the target is resolved (a first use converts it)
             check_servable(read_export(src)[0], args.format, args.drop_confidence)

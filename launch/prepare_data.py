@@ -52,12 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_generator(args: argparse.Namespace, target: Path):
     import torch
 
-    from workers.target.generation import LocalGenerator, RayGenerator
+    from workers.frozen_target.generation import LocalGenerator, RayGenerator
 
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if not args.ray:
-        from workers.target.model import load_target
-        from workers.target.worker import as_dtype
+        from workers.frozen_target.model import load_target
+        from workers.frozen_target.worker import as_dtype
 
         model, tokenizer = load_target(target, dtype=as_dtype(dtype))
         model.to("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +65,7 @@ def make_generator(args: argparse.Namespace, target: Path):
     import ray
 
     from workers.driver import worker_runtime_env
-    from workers.target.worker import start_target_actor
+    from workers.frozen_target.worker import start_target_actor
 
     address = os.environ.get("RAY_ADDRESS", "")
     ray.init(address=address or "local", runtime_env=worker_runtime_env(address),
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--num-workers must be >= 1, got {args.num_workers}")
         if args.keep_unfinished and not args.regenerate:
             raise ValueError("--keep-unfinished needs --regenerate (it keeps the target's own cut replies)")
-        from workers.target.model import load_tokenizer, resolve_target_path
+        from workers.frozen_target.model import load_tokenizer, resolve_target_path
 
         target = resolve_target_path(args.target)
         tokenizer = load_tokenizer(target)

@@ -4,7 +4,7 @@
         [--context 256] [--repeats 5] [--warmup 1] [--device auto] --out sps.json
 
 One engine step is one batched forward of the HF target over B new tokens of --requests R requests, each with a
-KV context of --context tokens (workers/target/engine_step.py says exactly what is and is not modelled), timed
+KV context of --context tokens (workers/frozen_target/engine_step.py says exactly what is and is not modelled), timed
 by serving.sps.measure_sps (median of --repeats steps after --warmup). The JSON records target, dtype, hardware,
 torch threads, date and the method, and loads with serving.sps.SPSTable.from_json. Exit status 2 with one line
 for bad input.
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="float32 / bfloat16 / ... (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    from workers.target.engine_step import profile
+    from workers.frozen_target.engine_step import profile
 
     try:
         table = profile(args.target, parse_sizes(args.batch_sizes), args.requests, args.context, args.repeats,

@@ -43,7 +43,8 @@ class TargetConfig:
     wire_dtype: str = "bfloat16"  # dtype of hidden states in the object store
     num_workers: int = 1  # target workers (groups when tp_size > 1) running side by side: data parallel
     # > 1: each target worker is a group of tp_size processes on one node, the target sharded over them by
-    # transformers' tensor parallelism (workers/target/group.py); cpus/gpus/resources_per_worker are then per process
+    # transformers' tensor parallelism (workers/frozen_target/group.py); cpus/gpus/resources_per_worker are then
+    # per process
     tp_size: int = 1
     # with tp_size > 1: give each process whole experts (transformers' expert-parallel plan) instead of a slice of
     # every expert; attention and dense layers stay tensor-parallel. Needs a model whose config has an EP plan
@@ -89,7 +90,7 @@ class DataConfig:
     #                          (trainer-only throughput, debugging); 0 = stream live features
     # a directory: store the target's features of every sample encoded, read them back instead of running the
     # target again (later epochs, resumes, other drafts of the same target and context layers;
-    # workers/target/feature_cache.py). "" = stream every batch from the target (the default)
+    # workers/frozen_target/feature_cache.py). "" = stream every batch from the target (the default)
     feature_cache: str = ""
 
     RANGES: ClassVar[dict[str, Range]] = {

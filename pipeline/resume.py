@@ -29,7 +29,7 @@ RESUMABLE_CHANGES = (
     # sharding: the same features to ~1e-6 in fp32 (tests/test_target_group.py), not bit for bit
     "target.tp_size", "target.expert_parallel",
     "data.max_in_flight",  # the prefetch bound, not the order
-    "data.feature_cache",  # the features the target shipped, stored (workers/target/feature_cache.py)
+    "data.feature_cache",  # the features the target shipped, stored (workers/frozen_target/feature_cache.py)
     "loss.chunk_rows",  # the same sum over other chunks: memory and speed only
     "draft.attn_impl",  # packed and gather agree to 1e-5 (tests/test_attention_paths.py)
 )

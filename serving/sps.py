@@ -8,7 +8,7 @@ Lookup rule (`SPSTable.__call__`), by the table's meta "interpolation":
   next measured size, because such an engine pads a batch to the next bucket, so the padding is physical there;
   measure every size the engine can run at (every bucket) for this to be exact;
 - "linear": the step TIME is interpolated linearly between measured sizes. For a forward that runs B tokens as
-  they are (no padding: what workers/target/engine_step.py measures, on CPU or GPU, at a sparse grid of sizes),
+  they are (no padding: what workers/frozen_target/engine_step.py measures, on CPU or GPU, at a sparse grid of sizes),
   rounding up would charge B = 9 as much as the next measured 16 and put a cliff into the table that the engine
   does not have (and that stops Algorithm 1's greedy early);
 - above the last measured size the step TIME is extrapolated linearly from the last two measured sizes (compute

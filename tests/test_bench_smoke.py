@@ -193,7 +193,7 @@ def _export_untrained_dsv4(out: Path) -> None:
     from draft_model import build_draft, draft_preset
     from draft_model.config import DSV4Config
     from pipeline.export import export_draft
-    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     cfg = draft_preset("v4-deepseek", 3)

@@ -25,7 +25,7 @@ from evaluation.rounds import load_round_arrays, load_rounds
 from evaluation.run import evaluate_exports
 from pipeline.export import export_draft
 from serving.calibration import apply_sts, load_calibration, sigmoid
-from workers.target.model import embedding_weights, load_target, resolve_target_path
+from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
 
 GAMMA = 3
 CHATS = [[{"role": "user", "content": c}] for c in ("Say hi.", "Count to five.", "Name a color.", "What is 2+2?",

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.data.chat import render_chat
 from pipeline.data.corpus import default_corpus, load_jsonl_corpus, stdlib_files
-from workers.target.model import smollm2_tokenizer
+from workers.frozen_target.model import smollm2_tokenizer
 
 CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3 = 5."},
                 {"role": "user", "content": "And times 4?"}, {"role": "assistant", "content": "20"}]

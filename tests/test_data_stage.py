@@ -23,8 +23,8 @@ from pipeline.data.parquet_source import load_parquet_corpus
 from pipeline.data.prepare import run_data_stage
 from pipeline.data.regenerate import Generation, GenParams
 from pipeline.data.rows import build_shard, normalize_record
-from workers.target import model as tm
-from workers.target.generation import LocalGenerator, generate_batch
+from workers.frozen_target import model as tm
+from workers.frozen_target.generation import LocalGenerator, generate_batch
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATION = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3 = 5."},
@@ -270,7 +270,7 @@ def test_generation_is_seeded_and_batch_one_is_independent_of_the_batch(tok, tin
 
 
 def test_target_worker_generate_matches_in_process(tok, tiny, tiny_dir):
-    from workers.target.worker import TargetWorker
+    from workers.frozen_target.worker import TargetWorker
 
     model, _ = tiny
     prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in ("x", "y z")]
@@ -391,8 +391,8 @@ def test_cli_resumes_after_sigkill(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_ray_target_worker_generates_like_in_process(tok, tiny, tiny_dir, tmp_path, local_ray):
-    from workers.target.generation import RayGenerator
-    from workers.target.worker import start_target_actor
+    from workers.frozen_target.generation import RayGenerator
+    from workers.frozen_target.worker import start_target_actor
 
     model, _ = tiny
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Question {i}?"} for i in range(5)])

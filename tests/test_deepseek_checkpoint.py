@@ -150,7 +150,7 @@ def test_llama_cpp_s_dspark_converter_reads_it_as_our_gguf_with_mxfp4_experts(tm
     direct writer's (the routed experts' MXFP4 blocks byte for byte: the converter's repack inverts ours), and so
     does every hyper-parameter but the window: the converter copies DeepSeek's W as llama.cpp's n_swa, ours writes
     W + 1 (docs/dsv4.md, departure 1)."""
-    from workers.target.model import resolve_target_path
+    from workers.frozen_target.model import resolve_target_path
 
     target_dir = resolve_target_path("smollm2")
     V = json.loads((target_dir / "config.json").read_text())["vocab_size"]
@@ -204,7 +204,7 @@ def _tiny_deepseek_v4_target(out: Path, cfg) -> Path:
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     from serving.deepseek_checkpoint import SHARED_KEYS
-    from workers.target.model import smollm2_tokenizer
+    from workers.frozen_target.model import smollm2_tokenizer
 
     shared = {k: v for k, v in deepseek_config(cfg, 2).items() if k in SHARED_KEYS}
     config = DeepseekV4Config(**shared, num_hidden_layers=2, layer_types=["sliding_attention"] * 2,

@@ -203,7 +203,7 @@ def test_trains_through_the_single_process_trainer(tmp_path):
     from pipeline.config import load_config
     from pipeline.export import load_exported_draft
     from pipeline.metrics import read_jsonl_metrics
-    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
     from workers.trainer.single_process import train_single_process
 
     run_dir = tmp_path / "dsv4"

@@ -161,7 +161,7 @@ def test_cli_refuses_an_unservable_draft_and_a_missing_export_with_exit_2(tmp_pa
 
 def _smollm2_draft(tmp_path: Path) -> tuple[Path, Path]:
     """(our export of a random servable draft on SmolLM2's shape, the SmolLM2 model directory)."""
-    from workers.target.model import resolve_target_path
+    from workers.frozen_target.model import resolve_target_path
 
     target_dir = resolve_target_path("smollm2")
     tc = json.loads((target_dir / "config.json").read_text())
@@ -298,7 +298,7 @@ def test_draft_vocab_refusals_are_one_line_exit_2(tmp_path, export_cli, capsys):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from workers.target.model import load_tokenizer, resolve_target_path
+    from workers.frozen_target.model import load_tokenizer, resolve_target_path
 
     return load_tokenizer(resolve_target_path("smollm2"))
 

@@ -25,7 +25,7 @@ from evaluation.evaluate import evaluate, evaluate_many
 from evaluation.report import acceptance_figure, wilson_interval, write_report
 from evaluation.session import TargetSession, generate
 from serving.metrics import expected_calibration_error, roc_auc
-from workers.target.model import capture_features, embedding_weights
+from workers.frozen_target.model import capture_features, embedding_weights
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -448,7 +448,7 @@ def test_acceptance_plot_counts_and_intervals():
 def test_moe_target_with_real_tokenizer(kind):
     """Text and chat prompts through the SmolLM2 tokenizer; the KV cache of a MoE / MLA target is cropped right."""
     from evaluation.evaluate import encode_prompt
-    from workers.target.model import tiny_moe_target
+    from workers.frozen_target.model import tiny_moe_target
 
     target, tok = tiny_moe_target(kind)
     cfg = replace(draft_preset("dspark-markov"), num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,

@@ -15,7 +15,7 @@ from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from evaluation.rounds import load_rounds
 from pipeline.export import export_draft
-from workers.target.model import embedding_weights, load_target, resolve_target_path
+from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
 
 
 def export_untrained_draft(out) -> None:

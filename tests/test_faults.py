@@ -92,7 +92,7 @@ def test_tiny_moe_target_trains_checkpoints_and_exports(clean_run):
     assert cfg["draft"]["hidden_size"] == 64 and cfg["draft"]["vocab_size"] == 49152
     # the export loads back onto the target's frozen embedding/LM head, weight for weight
     from pipeline.export import load_exported_draft
-    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))

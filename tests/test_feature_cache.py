@@ -1,4 +1,4 @@
-"""The feature cache (workers/target/feature_cache.py, `data.feature_cache`): what the target worker ships is
+"""The feature cache (workers/frozen_target/feature_cache.py, `data.feature_cache`): what the target worker ships is
 stored per sample and read back exactly; a second epoch trains on the stored features; another run of the same
 samples, target and context layers never runs the target; anything else gets its own directory; a stale entry is
 one clear error. The Ray path (the feature service reading through a task) is checked in test_feature_service.py.
@@ -19,7 +19,7 @@ from launch_helpers import REPO, TINY_MOE
 
 from pipeline.contracts import TokenizedSample
 from pipeline.metrics import read_jsonl_metrics
-from workers.target import feature_cache as fc
+from workers.frozen_target import feature_cache as fc
 
 
 def _samples(n: int, seed: int = 0) -> list[TokenizedSample]:
@@ -33,14 +33,14 @@ def _samples(n: int, seed: int = 0) -> list[TokenizedSample]:
 
 @pytest.fixture(scope="module")
 def tiny_target():
-    from workers.target.model import resolve_target_path
+    from workers.frozen_target.model import resolve_target_path
 
     return resolve_target_path("tiny-qwen3-moe")
 
 
 @pytest.mark.parametrize("layers", [[1, 2], [-1]])
 def test_a_batch_read_back_is_the_batch_the_worker_shipped(tmp_path, tiny_target, layers):
-    from workers.target.worker import TargetWorker
+    from workers.frozen_target.worker import TargetWorker
 
     worker = TargetWorker(tiny_target, layers, "float32", "bfloat16", max_tokens_per_forward=64)
     samples = _samples(6)
@@ -91,7 +91,7 @@ def test_cached_epochs_train_the_streamed_loss_and_a_second_run_never_runs_the_t
     encodes the same samples in other batches, which may move a float's last bit before the bf16 wire rounding, so
     the losses agree to 1e-5. A second run on the same cache reads every batch (the target worker's encode is
     made to fail) and trains exactly the cached run's losses."""
-    from workers.target.worker import TargetWorker
+    from workers.frozen_target.worker import TargetWorker
 
     streamed = _run(tmp_path, "streamed", "")
     cached = _run(tmp_path, "cached", str(tmp_path / "cache"))

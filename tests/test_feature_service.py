@@ -16,8 +16,8 @@ import torch
 from pipeline.contracts import TokenizedSample
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore, write_samples
-from workers.target.feature_service import FeatureService
-from workers.target.model import resolve_target_path
+from workers.frozen_target.feature_service import FeatureService
+from workers.frozen_target.model import resolve_target_path
 
 
 def _samples(n: int) -> list[TokenizedSample]:

@@ -105,7 +105,7 @@ def test_sequences_shorter_than_a_block(tmp_path):
 
 def _nan_target(tmp_path: Path) -> tuple[Path, Callable[[], None]]:
     """A private copy of the tiny MoE target, and a function that sets one of its norms to NaN."""
-    from workers.target.model import resolve_target_path
+    from workers.frozen_target.model import resolve_target_path
 
     target = tmp_path / "target"
     shutil.copytree(resolve_target_path("tiny-qwen3-moe"), target)

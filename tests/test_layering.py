@@ -3,7 +3,7 @@
 Floors, bottom to top (docs/architecture.md): draft_model < pipeline < serving < workers < evaluation, and above
 them the entry points bench/, launch/ and tests/. An import may reach its own package or a lower floor, and:
 - draft_model/ is pure PyTorch: no ray, deepspeed or torch.distributed, no project package but itself;
-- evaluation/ may use the target (workers.target) but not the trainers (workers.trainer) nor the driver: it reads
+- evaluation/ may use the target (workers.frozen_target) but not the trainers (workers.trainer) nor the driver: it reads
   exports through pipeline.export;
 - bench/ does not import tests/; nothing imports launch/ (tests run its scripts as subprocesses);
 - no import cycle between the top-level packages, and none between modules (a circle hidden in a function body
@@ -89,8 +89,9 @@ def violations(root: Path) -> list[str]:
             tests_helper = (root / "tests" / f"{top}.py").is_file() and not (root / "bench" / f"{top}.py").is_file()
             if src == "bench" and (top == "tests" or tests_helper):  # by name too: a helper put on sys.path
                 found.append(f"{where}: bench/ does not import tests/")
-            if src == "evaluation" and top == "workers" and not _within(target, "workers.target"):
-                found.append(f"{where}: evaluation/ uses the target (workers.target), not the trainers or the driver")
+            if src == "evaluation" and top == "workers" and not _within(target, "workers.frozen_target"):
+                found.append(f"{where}: evaluation/ uses the target (workers.frozen_target), "
+                             "not the trainers or the driver")
             if src in FLOORS and top in FLOORS and FLOORS.index(top) > FLOORS.index(src):
                 found.append(f"{where}: an arrow up ({src} is below {top})")
             if src in FLOORS and top in ENTRY_POINTS:

@@ -1,5 +1,6 @@
 """launch/profile_sps.py on a tiny random target: one entry per B, positive rates, provenance, and a round trip
-through serving.sps.SPSTable.from_json; the engine step (workers/target/engine_step.py) keeps the KV context fixed;
+through serving.sps.SPSTable.from_json; the engine step (workers/frozen_target/engine_step.py) keeps the KV context
+fixed;
 bad input is one line: exit 2 from the CLI (run as a user runs it), a one-line ValueError from `profile`.
 
 Run: python -m pytest tests/test_profile_sps_cli.py -q
@@ -13,8 +14,8 @@ import pytest
 from launch_helpers import run_script
 
 from serving.sps import REQUIRED_META, SPSTable
-from workers.target.engine_step import EngineStep, profile
-from workers.target.model import load_target, resolve_target_path
+from workers.frozen_target.engine_step import EngineStep, profile
+from workers.frozen_target.model import load_target, resolve_target_path
 
 
 def test_profile_writes_a_table_with_one_entry_per_batch_size(tmp_path):

@@ -75,7 +75,7 @@ def test_trains_and_exports_without_ray_or_deepspeed(tmp_path):
     assert json.loads((run_dir / "export" / "config.json").read_text())["draft"]["vocab_size"] == 49152
 
     from pipeline.export import load_exported_draft
-    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
 
     target, _ = load_target(resolve_target_path("tiny-qwen3-moe"))
     draft = load_exported_draft(run_dir / "export", *embedding_weights(target))
@@ -155,7 +155,7 @@ def test_baselines_train_through_the_single_process_trainer(tmp_path, preset, ga
     as the same architecture."""
     from pipeline.config import load_config
     from pipeline.export import load_exported_draft
-    from workers.target.model import embedding_weights, load_target, resolve_target_path
+    from workers.frozen_target.model import embedding_weights, load_target, resolve_target_path
     from workers.trainer.single_process import train_single_process
 
     run_dir = tmp_path / preset

@@ -24,11 +24,11 @@ from pipeline.errors import InputError
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import write_samples
 from workers.driver import check_cluster_fits
-from workers.target.feature_service import FeatureService
-from workers.target.group import TargetGroup
-from workers.target.model import resolve_target_path
-from workers.target.sharding import check_sharding
-from workers.target.worker import TargetWorker
+from workers.frozen_target.feature_service import FeatureService
+from workers.frozen_target.group import TargetGroup
+from workers.frozen_target.model import resolve_target_path
+from workers.frozen_target.sharding import check_sharding
+from workers.frozen_target.worker import TargetWorker
 
 LAYERS = [1, 2, -1]
 

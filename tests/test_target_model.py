@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.data.chat import render_chat
-from workers.target import model as tm
+from workers.frozen_target import model as tm
 
 PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string."},
           {"role": "assistant", "content": "def reverse(s):\n    return s[::-1]"}]
@@ -159,7 +159,7 @@ def test_stop_token_ids_are_the_generation_configs_and_the_tokenizers_together()
     eos both end a reply."""
     from types import SimpleNamespace as NS
 
-    from workers.target.model import stop_token_ids
+    from workers.frozen_target.model import stop_token_ids
 
     assert stop_token_ids(NS(generation_config=NS(eos_token_id=[2, 5])), NS(eos_token_id=0)) == [0, 2, 5]
     assert stop_token_ids(NS(generation_config=NS(eos_token_id=2)), NS(eos_token_id=2)) == [2]

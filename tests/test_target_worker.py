@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipeline.contracts import TokenizedSample
-from workers.target import model as tm
-from workers.target.worker import TargetWorker, plan_micro_batches, start_target_actor
+from workers.frozen_target import model as tm
+from workers.frozen_target.worker import TargetWorker, plan_micro_batches, start_target_actor
 
 LAYERS = [1, 3, -1]
 

@@ -93,10 +93,10 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
+    from workers.frozen_target.feature_cache import open_feature_cache
+    from workers.frozen_target.feature_service import FeatureService
     from workers.preemption import StoppedEarly, stop_on_signal
     from workers.run_control import RunControl
-    from workers.target.feature_cache import open_feature_cache
-    from workers.target.feature_service import FeatureService
     from workers.trainer.process_group import trainer_torch_config
     from workers.trainer.ray_trainer import train_loop
     from workers.trainer.reshard import adapt_to_checkpoint

@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import InputError
-from workers.target.model import resolve_target_path
+from workers.frozen_target.model import resolve_target_path
 
 
 def precheck_target(cfg: RunConfig, target_path: Path) -> None:
@@ -22,7 +22,7 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
         return  # a .gguf target: the target worker reports its dimensions once loaded
     from transformers import AutoConfig
 
-    from workers.target.sharding import check_sharding
+    from workers.frozen_target.sharding import check_sharding
 
     tc = AutoConfig.from_pretrained(str(target_path))
     tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
@@ -38,7 +38,7 @@ def load_samples(cfg: RunConfig, target_path: Path, tokenizer=None, in_memory: b
     ParquetSamples that the driver streams into the run's samples file without holding the data set."""
     from pipeline.data.corpus import default_corpus, load_jsonl_corpus
     from pipeline.data.parquet_source import ParquetSamples, load_parquet_corpus
-    from workers.target.model import load_tokenizer
+    from workers.frozen_target.model import load_tokenizer
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_path)
     try:
@@ -70,7 +70,7 @@ def resolve_inputs(cfg: RunConfig, log: logging.Logger, in_memory: bool = True) 
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
     precheck_target(cfg, target_path)
-    from workers.target.model import load_tokenizer
+    from workers.frozen_target.model import load_tokenizer
 
     tokenizer = load_tokenizer(target_path)
     samples = load_samples(cfg, target_path, tokenizer, in_memory)

@@ -5,7 +5,7 @@ This module is the contract between the data stage and whatever runs the target:
 `Generation` (the exact token ids the target produced, up to and including its stop token; the data stage trains
 on those ids rather than on a re-tokenized decode, so the draft sees the target's own token boundaries),
 `batch_seed` and the `ReplyGenerator` callable. The model part, `generate_batch`, and the two generators (in this
-process, or through TargetWorker actors) are workers/target/generation.py.
+process, or through TargetWorker actors) are workers/frozen_target/generation.py.
 
 Determinism: a batch is sampled under `torch.manual_seed(seed)` inside a forked RNG, with the seed derived from
 the batch's first row id. The same rows in the same batches therefore give the same tokens on the same hardware

@@ -48,7 +48,7 @@ class FeatureServiceBatches:
 
     A batch whose producing worker died is re-run by Ray on the restarted worker, so `take` just waits (at most
     `target.batch_timeout_s`, then one clear error instead of a hang). A reference lost with its owner (the
-    service restarted), or with a target group that lost a member (workers/target/group.py: the group restarts
+    service restarted), or with a target group that lost a member (workers/frozen_target/group.py: the group restarts
     whole and cannot take its old calls along), is asked for again: the service's `get` is idempotent."""
 
     RETRIES = 3

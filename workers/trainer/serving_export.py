@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.config import RunConfig
 from serving.engine_export import export_servable
-from workers.target.model import resolve_target_path
+from workers.frozen_target.model import resolve_target_path
 
 
 def export_for_engines(export_dir: str | Path, cfg: RunConfig, log: logging.Logger) -> None:

@@ -29,9 +29,9 @@ from pipeline.config import RunConfig, save_config
 from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink
 from pipeline.order import batch_index_for, batch_sample_ids
+from workers.frozen_target.feature_cache import has_all, open_feature_cache, read_batch
 from workers.lease import Fence
 from workers.preemption import Notice, StoppedEarly, stop_on_signal
-from workers.target.feature_cache import has_all, open_feature_cache, read_batch
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.engines import TorchEngine
 from workers.trainer.loop import MicroBatch, fit, resume
@@ -87,8 +87,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     from pipeline.errors import InputError
     from pipeline.resume import check_resume, check_samples
     from pipeline.sample_store import samples_digest as digest_samples
+    from workers.frozen_target.worker import TargetWorker
     from workers.inputs import resolve_inputs
-    from workers.target.worker import TargetWorker
 
     on_gpu = device != "cpu" and (device != "auto" or torch.cuda.is_available())
     if cfg.train.precision == "bf16" and not on_gpu:

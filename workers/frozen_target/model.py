@@ -50,7 +50,7 @@ def load_target(path_or_name: str | os.PathLike, dtype: torch.dtype = torch.floa
     Accepts a local directory with config.json + safetensors weights + tokenizer files, a `.gguf` file (or a
     directory holding exactly one), or a model name already in the local Hugging Face cache (never downloads).
     `device_map` goes to `from_pretrained` unchanged, so a target spread over several GPUs loads the same way;
-    so does `distributed_config` (workers/target/sharding.py: tensor/expert parallelism over an initialised
+    so does `distributed_config` (workers/frozen_target/sharding.py: tensor/expert parallelism over an initialised
     torch.distributed group, each rank loading only its shards).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

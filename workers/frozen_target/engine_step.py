@@ -70,7 +70,7 @@ def profile(target_name: str, batch_sizes: list[int], requests: int, context: in
     import torch
 
     from serving.sps import measure_sps
-    from workers.target.model import load_target, resolve_target_path
+    from workers.frozen_target.model import load_target, resolve_target_path
 
     if requests < 1 or context < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"need requests >= 1, context >= 1, repeats >= 1 and warmup >= 0; got {requests}, {context}, "

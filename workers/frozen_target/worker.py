@@ -2,7 +2,7 @@
 
 `TargetWorker` is a plain class (tested without Ray, used in-process by workers/trainer/single_process.py);
 `start_target_actor` places it as a Ray actor with the GPUs/CPUs it needs. A target spread over several GPUs is
-loaded with a `device_map` inside the worker, or sharded over a target group (workers/target/group.py: one
+loaded with a `device_map` inside the worker, or sharded over a target group (workers/frozen_target/group.py: one
 TargetWorker per group member, built with a transformers `distributed` config); callers only see FeatureBatches.
 
 Legend (shape suffixes):
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
-from workers.target.feature_cache import write_batch
-from workers.target.model import (
+from workers.frozen_target.feature_cache import write_batch
+from workers.frozen_target.model import (
     FINAL_HIDDEN,
     capture_features,
     embedding_weights,
@@ -106,15 +106,16 @@ class TargetWorker:
         return embed_cpu, (embed_cpu if head is embed else _whole(head).cpu())
 
     def generate(self, prompts: list[list[int]], params, seed: int) -> list:
-        """The target's replies to rendered prompts (the data stage's regeneration; see workers/target/generation.py):
-        one Generation (new token ids, finished) per prompt."""
-        from workers.target.generation import generate_batch
+        """The target's replies to rendered prompts (the data stage's regeneration; see
+        workers/frozen_target/generation.py): one Generation (new token ids, finished) per prompt."""
+        from workers.frozen_target.generation import generate_batch
 
         return generate_batch(self.model, self.tokenizer, prompts, params, seed)
 
     def encode(self, batch_index: int, samples: list[TokenizedSample], cache: str | None = None) -> FeatureBatch:
         """Features of `samples` (kept in the given order) as one dense FeatureBatch in the wire dtype; with `cache`
-        (a feature cache directory, workers/target/feature_cache.py) every sample not stored there yet is stored."""
+        (a feature cache directory, workers/frozen_target/feature_cache.py) every sample not stored there yet is
+        stored."""
         if not samples:
             raise ValueError(f"batch {batch_index}: no samples to encode")
         lengths = [len(s.input_ids) for s in samples]

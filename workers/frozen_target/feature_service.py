@@ -9,7 +9,7 @@ Faults. A batch is a pure function of its index (its samples come from pipeline/
 run's samples file), so every recovery is a re-run, never a replay of a queue:
 - a target worker that dies is restarted by Ray (`target.max_restarts`) and the encode calls it had in flight are
   re-run on the restarted worker (`max_task_retries`); a trainer waiting on such a batch simply waits longer;
-- a target group (target.tp_size > 1, workers/target/group.py) that loses a member is restarted whole on the next
+- a target group (target.tp_size > 1, workers/frozen_target/group.py) that loses a member is restarted whole on the next
   call it gets; its calls in flight fail, and their trainers ask for those batches again (the next point);
 - `get` is idempotent: a batch asked for again (a trainer group restarted from a checkpoint, or a trainer whose
   reference was lost) is produced again, and the prefetch window restarts from it;
@@ -26,8 +26,8 @@ import ray
 
 from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore
-from workers.target.feature_cache import has_all, read_batch
-from workers.target.group import TargetGroup
+from workers.frozen_target.feature_cache import has_all, read_batch
+from workers.frozen_target.group import TargetGroup
 
 
 @ray.remote(num_cpus=0)
@@ -47,14 +47,14 @@ def target_worker_options(target: dict[str, Any]) -> dict[str, Any]:
 class FeatureService:
     def __init__(self, samples_path: str, target: dict[str, Any], layers: list[int], samples_per_batch: int,
                  seed: int, max_in_flight: int, replay_batches: int = 0, feature_cache: str | None = None) -> None:
-        from workers.target.worker import TargetWorker
+        from workers.frozen_target.worker import TargetWorker
 
         self._samples = SampleStore(samples_path)
         if not len(self._samples):
             raise ValueError(f"{samples_path} has no samples")
         self._spb, self._seed, self._max_in_flight = samples_per_batch, seed, max_in_flight
         self._replay = replay_batches
-        self._cache = feature_cache  # a feature cache directory (workers/target/feature_cache.py), or None
+        self._cache = feature_cache  # a feature cache directory (workers/frozen_target/feature_cache.py), or None
         self._from_cache = 0
         self._replay_refs: list[ray.ObjectRef] = []
         actor_cls = ray.remote(TargetWorker)

@@ -71,8 +71,8 @@ class TargetGroupMember:
         import torch
         import torch.distributed as dist
 
-        from workers.target.sharding import distributed_config
-        from workers.target.worker import TargetWorker
+        from workers.frozen_target.sharding import distributed_config
+        from workers.frozen_target.worker import TargetWorker
 
         self.rank = rank
         # Ray gives a GPU member exactly one visible GPU, so its local device is always index 0.

@@ -5,7 +5,7 @@ prompt ends at the same position and generation starts together) and returns the
 produced, up to and including its stop token, sampled under the batch's seed in a forked RNG.
 
 Where generation runs: `LocalGenerator` in this process (tests, single machine), `RayGenerator` through
-TargetWorker actors (workers/target/worker.py), one batch per actor call, batches spread over the actors.
+TargetWorker actors (workers/frozen_target/worker.py), one batch per actor call, batches spread over the actors.
 
 Legend (shape suffixes): B prompts in the batch, L longest prompt, N new tokens generated.
 """
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from pipeline.data.regenerate import Batches, Generation, GenParams
-from workers.target.model import stop_token_ids
+from workers.frozen_target.model import stop_token_ids
 
 
 @torch.no_grad()
