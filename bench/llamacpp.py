@@ -120,6 +120,16 @@ def gguf_metadata(path: Path) -> dict:
     return json.loads(res.stdout)
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", nargs="?", default="fetch", choices=("fetch", "build"),
+                   help="fetch: the source tree only (default); build: also the binaries")
+    args = p.parse_args(argv)
+    print(fetch() if args.what == "fetch" else build())
+    return 0
+
+
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else "fetch"
-    print(fetch() if what == "fetch" else build() if what == "build" else sys.exit(f"unknown command {what!r}"))
+    sys.exit(main())

@@ -4,6 +4,7 @@
         --target smollm2 --datasets humaneval gsm8k mtbench --num-prompts 10 --max-new-tokens 64 \
         --temperatures 1.0 0.0 --out runs/tiny/eval
     python launch/evaluate_draft.py --draft runs/tiny/export --prompts held_out.jsonl --out runs/tiny/eval-mine
+    python launch/evaluate_draft.py --draft runs/tiny/export          # --out defaults to runs/tiny/eval
 
 --datasets names built-in sets (evaluation/prompts.py); --prompts adds prompt files (.jsonl/.parquet of chats or
 texts), each a dataset named by its file stem (given alone, only the files are evaluated). An export holding
@@ -43,22 +44,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop starting prompts after this long, for every draft alike (default: no limit)")
     p.add_argument("--autoregressive", action="store_true",
                    help="also decode with the target alone and print each draft's end-to-end speed-up over it")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="directory for the report and the recorded rounds (default: eval beside the first "
+                                 "draft, e.g. runs/tiny/eval for runs/tiny/export)")
     args = p.parse_args(argv)
     exports = {}
     for item in args.draft:
         name, _, path = item.rpartition("=")
         path = Path(path)
         exports[name or path.parent.name] = path
+    out = Path(args.out) if args.out else next(iter(exports.values())).parent / "eval"
     try:
         datasets = (args.datasets or ([] if args.prompts else ["humaneval", "gsm8k", "mtbench"])) + args.prompts
         results = evaluate_exports(exports, args.target, datasets, args.num_prompts, args.max_new_tokens,
-                                   args.temperatures, Path(args.out), args.device, get_logger("dspark.eval"),
+                                   args.temperatures, out, args.device, get_logger("dspark.eval"),
                                    args.time_limit, args.autoregressive)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(tau_table(results)[0])
+    print(f"report: {out / 'report.md'}")
     if args.autoregressive:
         print("\nend-to-end speed-up over the target alone (tokens/s ratio on the same prompts)")
         print(speedup_table(results)[0])

@@ -36,12 +36,14 @@ def cli(args: list[str]) -> tuple[int, str]:
 
 
 def test_cli_writes_report_plot_and_recorded_rounds(tmp_path):
+    """Without --out (as the README's first evaluation command runs it), the report goes to eval/ beside the draft."""
     export_untrained_draft(tmp_path / "export")
     args = ["--draft", f"mine={tmp_path / 'export'}", "--target", "tiny-qwen3-moe", "--num-prompts", "1",
-            "--max-new-tokens", "6", "--temperatures", "0.0", "--out", str(tmp_path / "eval")]
+            "--max-new-tokens", "6", "--temperatures", "0.0"]
     code, table = cli(args)
     assert code == 0
     assert "mine" in table and "humaneval" in table and "mtbench" in table
+    assert f"report: {tmp_path / 'eval' / 'report.md'}" in table
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 0
     assert report and (tmp_path / "eval" / "mine-T0.0.json").is_file()
