@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,6 +45,17 @@ def run_script(script: str, args: list[str], timeout: float = 600, env: dict[str
 def run_launch(args: list[str], timeout: float = 600, env: dict[str, str] | None = None,
                ) -> subprocess.CompletedProcess:
     return run_script(LAUNCH.name, args, timeout, env)
+
+
+# An error-level line as Ray's C++ core and Python loggers print it (optionally behind a worker's "(Name pid=N)" tag),
+# e.g. "[2026-12-07 03:32:44,393 E 27370 27595] core_worker.cc:2465: ..." or "2026-12-07 ... ERROR worker.py:..."
+_ERROR_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ E \d+ \d+\]"
+                         r"|\d{4}-\d\d-\d\d [\d:,.]+\s+ERROR\s|Traceback \(most recent")
+
+
+def console_errors(output: str) -> list[str]:
+    """The lines of a run's console a person would read as a failure: error-level log lines and tracebacks."""
+    return [line for line in output.splitlines() if _ERROR_LINE.search(line)]
 
 
 # The ray CLI of the interpreter running this file: `ray` from PATH may be another install's, or missing when a

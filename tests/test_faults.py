@@ -31,6 +31,7 @@ from launch_helpers import (
     FaultSchedule,
     LoopbackHead,
     committed_checkpoints,
+    console_errors,
     logged_steps,
     quiet_env,
     run_launch,
@@ -76,6 +77,7 @@ def test_tiny_moe_target_trains_checkpoints_and_exports(clean_run):
     first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(STEPS - 4, STEPS + 1)) / 5
     assert last < 0.9 * first, (first, last)
     assert f"step {STEPS}/{STEPS} | loss" in out  # one dense log line per step, from rank 0
+    assert not console_errors(out), console_errors(out)  # a healthy run prints nothing a person reads as a failure
     for r in read_jsonl_metrics(run_dir / "metrics.jsonl").values():  # phases summed over the 2 ranks
         phases = [r["forward_s"], r["backward_s"], r["optimizer_s"]]
         assert all(t > 0 for t in phases) and sum(phases) <= 2 * r["step_time_s"], r

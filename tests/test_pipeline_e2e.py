@@ -105,3 +105,19 @@ def test_ray_job_submit(tmp_path, head):
     assert res.returncode == 0, out[-4000:]
     assert "succeeded" in out.lower()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+@pytest.mark.slow
+def test_the_default_run_s_console_is_clean(tmp_path):
+    """The README's second command (the embedded default: SmolLM2, real text, a local Ray started by the script),
+    cut to 2 steps: it succeeds and prints no error-level line and no traceback (Ray Train's PreemptionWatcher and
+    autoscaling coordinator are settled first: workers/run_control.prepare_ray_train). Run with no other Ray
+    instance on the machine: Ray Train's placement-group cleaner looks the cluster up without an address and prints
+    a traceback when it finds several."""
+    from launch_helpers import console_errors
+
+    res = run_launch(["--run-dir", str(tmp_path / "run"), "--max-steps", "2"], timeout=1200)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "step 2/2 | loss" in out
+    assert not console_errors(out), console_errors(out)

@@ -96,7 +96,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     from workers.frozen_target.feature_cache import open_feature_cache
     from workers.frozen_target.feature_service import FeatureService
     from workers.preemption import StoppedEarly, stop_on_signal
-    from workers.run_control import RunControl
+    from workers.run_control import RunControl, prepare_ray_train
     from workers.trainer.process_group import trainer_torch_config
     from workers.trainer.ray_trainer import train_loop
     from workers.trainer.reshard import adapt_to_checkpoint
@@ -139,6 +139,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
              cfg.cluster.num_trainers, f"resuming from {resume_from}" if resume_from else "fresh start")
 
     resources = {"CPU": cfg.cluster.cpus_per_trainer, **cfg.cluster.resources_per_trainer}
+    prepare_ray_train()  # nothing at the trainer group's start that prints a failure on a healthy run
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.to_dict(), "service": service, "control": control,
