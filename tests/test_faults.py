@@ -103,6 +103,46 @@ def test_tiny_moe_target_trains_checkpoints_and_exports(clean_run):
             assert torch.equal(f.get_tensor(k), v.float()), k
 
 
+def pickled_modules(path: Path) -> set[str]:
+    """The modules every pickle under `path` names (torch.save's zip archives and plain pickles alike)."""
+    import io
+    import pickletools
+    import zipfile
+
+    def modules(data: bytes) -> set[str]:
+        found, strings = set(), []
+        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+            if op.name in ("GLOBAL", "INST"):
+                found.add(arg.split(" ")[0])
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.add(strings[-2])
+            elif isinstance(arg, str):
+                strings.append(arg)
+        return found
+
+    names: set[str] = set()
+    for f in path.rglob("*"):
+        if not f.is_file():
+            continue
+        if zipfile.is_zipfile(f):
+            with zipfile.ZipFile(f) as z:
+                for member in z.namelist():
+                    if member.endswith(".pkl"):
+                        names |= modules(z.read(member))
+        elif f.suffix in (".pt", ".pkl", ".pickle"):
+            names |= modules(f.read_bytes())
+    return names
+
+
+def test_checkpoints_name_no_module_of_this_project(clean):
+    """A checkpoint resumes after a package is moved or renamed (workers/target -> workers/frozen_target): nothing
+    in it is pickled by module path from this project, only torch's, DeepSpeed's and the standard library's."""
+    names = pickled_modules(clean / "checkpoints" / f"step_{STEPS:08d}")
+    assert names and "torch._utils" in names, names  # the scan reads the pickles it should
+    ours = {n for n in names if n.split(".")[0] in ("draft_model", "pipeline", "workers", "serving", "evaluation")}
+    assert not ours, ours
+
+
 def _assert_same_curve(run_dir: Path, clean: Path, steps: range) -> None:
     got, want = _losses(run_dir), _losses(clean)
     assert sorted(got) == list(range(1, STEPS + 1))
