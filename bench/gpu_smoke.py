@@ -420,9 +420,11 @@ def resume_check(shape: Shape, device: torch.device, engine_kind: str) -> tuple[
         release()
     rel = abs(got - expected) / max(abs(expected), 1e-12)
     rel_fresh = abs(fresh - expected) / max(abs(expected), 1e-12)
-    ok = step == 3 and rel <= 1e-5 and rel_fresh > 1e-5
+    # on a GPU the MoE's scatter-adds are atomic (not bit-reproducible) and bf16 rounds what they change
+    tol = 2e-3 if device.type == "cuda" else 1e-5
+    ok = step == 3 and rel <= tol and rel_fresh > 5 * tol
     return ("ok" if ok else "FAIL"), (f"width={shape.hidden} step={step} next loss {expected:.6f} resumed {got:.6f} "
-                                      f"rel={rel:.1e} (a fresh engine: {fresh:.6f})")
+                                      f"rel={rel:.1e} tol={tol:.0e} (a fresh engine: {fresh:.6f})")
 
 
 def step_flops(trainer: Trainer) -> int:
