@@ -68,11 +68,13 @@ def test_cpu_mode_with_deepspeed(tmp_path):
 def test_a_failing_check_is_one_fail_line_and_the_budget_skips(capsys):
     import gpu_smoke
 
-    report = gpu_smoke.Report(budget_s=60.0)
+    report = gpu_smoke.Report(budget_s=60.0, only=("boom", "late", "other"))
     report.check("boom", lambda: (_ for _ in ()).throw(RuntimeError("No backend type associated with device type "
                                                                       "cpu\nsecond line")))
     report.budget_s = -1.0
     report.check("late", lambda: ("ok", "never runs"))
-    assert report.results == {"boom": "FAIL", "late": "skip"}
+    report.budget_s = 60.0
+    report.check("unasked", lambda: ("ok", "never runs"))
+    assert report.results == {"boom": "FAIL", "late": "skip", "unasked": "skip"}
     assert report.lines[0].startswith("check boom FAIL RuntimeError: No backend type associated with device type cpu")
     assert "second line" not in report.lines[0] and report.lines[1].startswith("check late skip past the")
