@@ -49,7 +49,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -191,8 +191,9 @@ def check_collectives(device: torch.device, report: Report) -> tuple[str, str]:
 
 
 def run_config(shape: Shape, device: torch.device, run_dir: str, chunk_rows: int = 256):
-    """The v4-flash run config (draft preset v4, ZeRO-2, bf16) at `shape`, one micro-batch per step, a one-step
-    warm-up (so the first steps already move the weights: the resume check needs that)."""
+    """The v4-flash run config (draft preset v4, ZeRO-2, bf16; fp32 and the draft at CPU width on a CPU) at `shape`,
+    one micro-batch per step, a one-step learning-rate warm-up (the weights move from the third step on: the resume
+    check needs that)."""
     from pipeline.config import load_config
 
     overrides = [f"data.samples_per_batch={shape.seqs}", f"data.max_len={shape.seq_len}",
@@ -237,9 +238,10 @@ class Trainer:
         return sums
 
     def loss(self, sums: dict[str, float]) -> float:
-        w = self.micro[0].batch.host_index().valid_len_N
+        """The step's loss from optimizer_step's sums, as step_metrics logs it."""
         from workers.trainer.step import host_weight_sum
 
+        w = self.micro[0].batch.host_index().valid_len_N
         denom = host_weight_sum(w, self.cfg.draft.block_size, self.cfg.loss.decay_lambda)
         c = self.cfg.loss
         return (c.ce_weight * sums["ce"] + c.tv_weight * sums["tv"] + c.conf_weight * sums["conf"]) / denom
@@ -329,8 +331,10 @@ def attention_kernels(trainer: Trainer) -> tuple[list[str], list[str]]:
     return sorted(ops), sorted(kernels)
 
 
-def host_syncs(trainer: Trainer) -> tuple[int, Counter]:
-    """Synchronizing CUDA calls during one step, by the innermost project line that made them."""
+@contextlib.contextmanager
+def sync_warnings() -> Iterator[Counter]:
+    """Counts the "synchronizing CUDA operation" warnings raised inside the block (what set_sync_debug_mode("warn")
+    emits), by the innermost line of the project below the call (outside this script)."""
     where: Counter = Counter()
     here = Path(__file__).resolve()
 
@@ -347,13 +351,19 @@ def host_syncs(trainer: Trainer) -> tuple[int, Counter]:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
+        yield where
+
+
+def host_syncs(trainer: Trainer) -> Counter:
+    """Synchronizing CUDA calls during one step, by the project line that made them."""
+    with sync_warnings() as where:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             trainer.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sync(trainer.device)
-    return sum(where.values()), where
+    return where
 
 
 def loss_chunks(trainer: Trainer) -> tuple[str, str]:
@@ -588,9 +598,9 @@ def main(argv: list[str] | None = None) -> int:
         def syncs_check(trainer: Trainer) -> tuple[str, str]:
             if not cuda:
                 return "skip", "CUDA only (torch.cuda.set_sync_debug_mode)"
-            count, where = host_syncs(trainer)
-            return "ok", f"syncs_per_step={count} at " + (", ".join(f"{k} x{v}" for k, v in where.most_common(8))
-                                                          or "none")
+            where = host_syncs(trainer)
+            at = ", ".join(f"{k} x{v}" for k, v in where.most_common(8)) or "none"
+            return "ok", f"syncs_per_step={sum(where.values())} at {at}"
 
         def tflops_check(trainer: Trainer) -> tuple[str, str]:
             flops = step_flops(trainer)

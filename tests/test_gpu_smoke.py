@@ -78,3 +78,20 @@ def test_a_failing_check_is_one_fail_line_and_the_budget_skips(capsys):
     assert report.results == {"boom": "FAIL", "late": "skip", "unasked": "skip"}
     assert report.lines[0].startswith("check boom FAIL RuntimeError: No backend type associated with device type cpu")
     assert "second line" not in report.lines[0] and report.lines[1].startswith("check late skip past the")
+
+
+def _project_code_that_syncs() -> None:
+    import warnings
+
+    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+    warnings.warn("an unrelated warning", stacklevel=1)
+
+
+def test_sync_warnings_are_counted_by_the_project_line_that_made_them():
+    import gpu_smoke
+
+    with gpu_smoke.sync_warnings() as where:
+        for _ in range(3):
+            _project_code_that_syncs()
+    line = _project_code_that_syncs.__code__.co_firstlineno + 3
+    assert where == {f"tests/test_gpu_smoke.py:{line}": 3}
