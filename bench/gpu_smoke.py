@@ -4,16 +4,18 @@ loss, target capture and checkpoint, checked one line each (`check NAME ok|FAIL|
 Run on a CPU (tiny shapes; gloo instead of NCCL; the CUDA-only parts say `skip`; tests/test_gpu_smoke.py runs this):
     python bench/gpu_smoke.py --cpu
 Run on a lent H100 / H200 (the device tool's `run`; docs/gpu-smoke.md), after `bash bench/gpu_smoke_prepare.sh` here
-put the wheels that machine lacks into .whl/ (deepspeed 0.19.8 as its sdist, hjson, pydantic, transformers 5.24, ...):
+put the wheels that machine lacks into .whl/ (deepspeed 0.19.8 as its sdist, hjson, pydantic, transformers 5.24, ...),
+one command (docs/gpu-smoke.md has it on one line):
     run(carry=[".whl"], timeout_s=600, command="python3 -m pip install -q --no-index --no-deps --no-build-isolation
         --no-compile --no-cache-dir --target /tmp/site .whl/* && export PYTHONPATH=/tmp/site:$PWD || exit;
-        PYTHONUNBUFFERED=1 timeout 560 python3 bench/gpu_smoke.py --out $OUT 2>&1 | tee $OUT/console.log")
+        PYTHONUNBUFFERED=1 timeout 520 python3 bench/gpu_smoke.py --out $OUT 2>&1 | tee $OUT/console.log")
 
 Why this shape: that machine has torch 2.11 + CUDA 13 and transformers 5.17 but no Ray and no DeepSpeed, and nothing
 can be fetched there; the Ray wheel is larger than the 64 MiB that travels. So the trainer's step runs through the
 modules the Ray trainers call (workers/trainer/step.py, engines.py, loop.py, checkpoint.py, pipeline/packing.py), none
 of which imports Ray, under a one-process NCCL group. Without DeepSpeed the TorchEngine steps instead (its line says
-which engine ran). Budget: about 8 minutes on an H100 (--budget-s; checks past it say `skip`).
+which engine ran). Budget: at most 8 minutes on an H100 (checks that would start after --budget-s, 420 s, say `skip`;
+--out's file is written line by line, so a run killed at its time limit keeps what it said).
 
 Checks (GPU shapes; --cpu shrinks every one):
   collectives     workers.trainer.step.all_reduce_sum, loop.all_gather, loop.barrier under init_process_group("nccl");
@@ -95,15 +97,22 @@ CHECKS = ("collectives", "step", "host_syncs", "tflops", "loss_chunks", "resume"
 class Report:
     """The check lines, printed as they come and kept for --out."""
 
-    def __init__(self, budget_s: float, only: tuple[str, ...] = CHECKS) -> None:
-        self.only = only
+    def __init__(self, budget_s: float, only: tuple[str, ...] = CHECKS, out: Path | None = None) -> None:
+        self.only, self.out = only, out
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("")
         self.lines: list[str] = []
         self.results: dict[str, str] = {}
         self.t0, self.budget_s = time.time(), budget_s
 
     def say(self, line: str) -> None:
+        """Print a line and append it to --out's file at once: a run killed at its time limit keeps what it said."""
         print(line, flush=True)
         self.lines.append(line)
+        if self.out is not None:
+            with self.out.open("a") as f:
+                f.write(line + "\n")
 
     def check(self, name: str, fn: Callable[[], tuple[str, str]]) -> None:
         """Run one check; any exception is its FAIL line (type and first line of the message)."""
@@ -545,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                    "where CUDA is absent)")
     p.add_argument("--out", help="also write the check lines to OUT/gpu_smoke.txt")
     p.add_argument("--engine", choices=("auto", "deepspeed", "torch"), default="auto")
-    p.add_argument("--budget-s", type=float, default=480.0, help="checks that would start past it say skip")
+    p.add_argument("--budget-s", type=float, default=420.0, help="checks that would start past it say skip")
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS),
                    help="run only these (a rerun on a short lease); host_syncs, tflops and loss_chunks need step")
     args = p.parse_args(argv)
@@ -555,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
-    report = Report(args.budget_s, tuple(args.checks))
+    report = Report(args.budget_s, tuple(args.checks), Path(args.out) / "gpu_smoke.txt" if args.out else None)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     engine_kind, why = engine_choice(args.engine)
     report.say(f"gpu_smoke on {name}: torch {torch.__version__}, engine {engine_kind} ({why}), "
@@ -629,9 +638,6 @@ def main(argv: list[str] | None = None) -> int:
     ran = [s for s in report.results.values() if s != "skip"]
     report.say(f"gpu_smoke device={name.replace(' ', '_')} checks={len(ran)} passed={ran.count('ok')} "
                f"trainer_peak_gib={figures['peak']} step_s={figures['step_s']} tflops={figures['tflops']}")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_smoke.txt").write_text("\n".join(report.lines) + "\n")
     return 0 if len(ran) == ran.count("ok") else 1
 
 
