@@ -376,7 +376,9 @@ def host_syncs(trainer: Trainer) -> Counter:
 
 
 def loss_chunks(trainer: Trainer) -> tuple[str, str]:
-    """The vocabulary loss at chunk_rows 256 and 1024 on one draft output: value and input gradient agree."""
+    """The vocabulary loss at two chunk_rows on one draft output (256 and 1024 on a GPU; 16 and 64 on a CPU, whose
+    tiny batch has fewer rows than one 256-row chunk): value and input gradient agree. A chunk boundary that lost
+    or doubled a row would move the loss by about 1/rows per chunk: the loss tolerance is below that."""
     from draft_model.loss import output_loss
 
     module, bb = trainer.engine.module, trainer.micro[0].batch
@@ -391,7 +393,8 @@ def loss_chunks(trainer: Trainer) -> tuple[str, str]:
     # W2 detached: a gradient into a trainable parameter outside engine.backward would reach ZeRO's hooks
     w2 = draft.head_w2().detach() if draft.head_w2() is not None else None
     results = {}
-    for rows in (256, 1024):
+    pair = (256, 1024) if trainer.device.type == "cuda" else (16, 64)
+    for rows in pair:
         h = hidden_NKD.clone().requires_grad_(True)
         o = replace(out, hidden_NKD=h, head_factor_NKR=factor)
 
@@ -406,14 +409,17 @@ def loss_chunks(trainer: Trainer) -> tuple[str, str]:
         h.grad = None
         (loss, grad), secs = timed(run, trainer.device)
         results[rows] = (float(loss), grad, secs)
-    (l1, g1, t1), (l2, g2, t2) = results[256], results[1024]
-    tol = 2e-2 if hidden_NKD.dtype == torch.bfloat16 or module.loss_cfg.matmul_dtype == "bfloat16" else 1e-4
+    (l1, g1, t1), (l2, g2, t2) = results[pair[0]], results[pair[1]]
+    # bf16 matmuls may pick other kernels for another chunk height: per-element rounding differs, sums barely
+    bf16 = hidden_NKD.dtype == torch.bfloat16 or module.loss_cfg.matmul_dtype == "bfloat16"
+    loss_tol, grad_tol = (2e-3, 1e-2) if bf16 else (1e-5, 1e-4)
     rel_loss = abs(l1 - l2) / max(abs(l1), 1e-12)
     rel_grad = float((g1 - g2).norm() / g1.norm().clamp_min(1e-12))
-    ok = rel_loss <= tol and rel_grad <= tol and torch.isfinite(torch.tensor([l1, l2])).all()
-    return ("ok" if ok else "FAIL"), (f"rows={hidden_NKD.shape[0] * hidden_NKD.shape[1]} loss 256={l1:.6f} "
-                                      f"1024={l2:.6f} rel={rel_loss:.1e} grad_rel={rel_grad:.1e} tol={tol:.0e} "
-                                      f"time 256={t1:.3f}s 1024={t2:.3f}s")
+    ok = rel_loss <= loss_tol and rel_grad <= grad_tol and torch.isfinite(torch.tensor([l1, l2])).all()
+    a, b = pair
+    return ("ok" if ok else "FAIL"), (f"rows={hidden_NKD.shape[0] * hidden_NKD.shape[1]} loss {a}={l1:.6f} "
+                                      f"{b}={l2:.6f} rel={rel_loss:.1e} (tol {loss_tol:.0e}) grad_rel={rel_grad:.1e} "
+                                      f"(tol {grad_tol:.0e}) time {a}={t1:.3f}s {b}={t2:.3f}s")
 
 
 def resume_check(shape: Shape, device: torch.device, engine_kind: str) -> tuple[str, str]:
