@@ -17,21 +17,21 @@ of which imports Ray, under a one-process NCCL group. Without DeepSpeed the Torc
 which engine ran). Budget: at most 8 minutes on an H100 (checks that would start after --budget-s, 420 s, say `skip`;
 --out's file is written line by line, so a run killed at its time limit keeps what it said).
 
-Checks (GPU shapes; --cpu shrinks every one):
+Checks, in the order they run (GPU shapes; --cpu shrinks every one):
   collectives     workers.trainer.step.all_reduce_sum, loop.all_gather, loop.barrier under init_process_group("nccl");
                   when one fails, the rest run under "cpu:gloo,cuda:nccl" (a note line says so)
   step            one bf16 ZeRO-2 step of the `v4` draft at v4-flash width (hidden 4096, vocab 129280) on a synthetic
                   packed batch of 16 x 4096 tokens with 512 anchors per sequence (fewer if that does not fit: the line
                   names the anchors that did), its peak memory and the attention kernels the profiler names
   host_syncs      torch.cuda.set_sync_debug_mode("warn") over one step: the count and where in the project they are
+  tflops          the step's FLOPs (torch.utils.flop_counter) over its CUDA-event time
   loss_chunks     the vocabulary loss at loss.chunk_rows 256 and 1024 on the same draft output: same value and input
                   gradient (tolerance by dtype), each timed
+  resume          save through CheckpointManager, take a step, resume a fresh engine from the checkpoint, take the same
+                  step: the same loss (and a fresh engine's differs, so the check can fail); at a smaller width
   capture_*       tiny random DeepSeek-V4 / DeepSeek-V3 / Qwen3-MoE targets at 16 x 4096 tokens through
                   capture_features: the memory its capture takes above the weights, all layers against hooked layers
                   where capture_features offers a `hooked` switch
-  resume          save through CheckpointManager, take a step, resume a fresh engine from the checkpoint, take the same
-                  step: the same loss (and a fresh engine's differs, so the check can fail); at a smaller width
-  tflops          the step's FLOPs (torch.utils.flop_counter) over its CUDA-event time
 Last line: gpu_smoke device=NAME checks=N passed=P trainer_peak_gib=X step_s=Y tflops=Z
 (N counts the checks that ran, skips excluded; values that a CPU run cannot measure print as n/a).
 """
