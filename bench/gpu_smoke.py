@@ -554,7 +554,7 @@ def capture_check(kind: str, device: torch.device) -> tuple[str, str]:
 # ---- main -------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", action="store_true", help="tiny shapes, gloo, CUDA-only parts skipped (automatic "
                    "where CUDA is absent)")
@@ -563,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=420.0, help="checks that would start past it say skip")
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS),
                    help="run only these (a rerun on a short lease); host_syncs, tflops and loss_chunks need step")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -95,3 +95,17 @@ def test_sync_warnings_are_counted_by_the_project_line_that_made_them():
             _project_code_that_syncs()
     line = _project_code_that_syncs.__code__.co_firstlineno + 3
     assert where == {f"tests/test_gpu_smoke.py:{line}": 3}
+
+
+def test_the_device_command_is_the_same_in_script_and_docs_and_fits_the_run_tool():
+    import gpu_smoke
+
+    pattern = re.compile(r'run\(carry=\["\.whl"\], timeout_s=(\d+), command="(.+?)"\)', re.S)
+    doc_limit, doc_cmd = pattern.search((REPO / "docs" / "gpu-smoke.md").read_text()).groups()
+    script_limit, script_cmd = pattern.search(gpu_smoke.__doc__).groups()
+    assert " ".join(doc_cmd.split()) == " ".join(script_cmd.split()) and doc_limit == script_limit
+    assert "\n" not in doc_cmd and len(doc_cmd) <= 2000  # the run tool takes one line of at most 2000 characters
+    # the script's own limit leaves the pip install time inside the call's, and its budget ends before that limit
+    inner = int(re.search(r"timeout (\d+) python3 bench/gpu_smoke\.py", doc_cmd).group(1))
+    assert inner <= int(doc_limit) - 60
+    assert gpu_smoke.parser().parse_args([]).budget_s + 60 <= inner  # a check that starts at the budget has a minute
