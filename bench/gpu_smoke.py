@@ -319,6 +319,21 @@ def fitting_trainer(shape: Shape, device: torch.device, engine_kind: str, run_di
     raise torch.cuda.OutOfMemoryError(f"no step fits down to {shape.anchors // 4} anchors per sequence: {error}")
 
 
+def optimizer_name(engine: Any) -> str:
+    """The torch optimizer under the engine (DeepSpeed wraps it in its ZeRO optimizer), and whether it is the fused
+    kernel the engines ask for (workers/trainer/engines.py)."""
+    opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+    fused = bool(getattr(opt, "defaults", {}).get("fused"))
+    return f"{type(opt).__name__}({'fused' if fused else 'not fused'})"
+
+
+def jit_extensions() -> set[str]:
+    """The C++/CUDA extensions compiled at run time so far (torch.utils.cpp_extension's build folder, where DeepSpeed
+    JIT-builds its ops): the step should need none."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return {p.name for p in root.glob("*/*") if p.is_dir()} if root.is_dir() else set()
+
+
 def attention_kernels(trainer: Trainer) -> tuple[list[str], list[str]]:
     """The attention operators and (GPU) kernels torch.profiler saw during one step: the operators say which
     SDPA / flex path ran, the kernels what it launched (a flex kernel Inductor generated may be named
@@ -591,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         def step_check() -> tuple[str, str]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
+            extensions_before = jit_extensions()
             trainer, warm_s = fitting_trainer(shape, device, engine_kind, run_dir, report)
             state["trainer"] = trainer
             sums, step_s = timed(trainer.step, device)
@@ -607,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
             what += f" attn_ops={','.join(ops) or 'none'}"
             if cuda:
                 what += f" attn_kernels={','.join(kernels) or 'none'}"
+            built = sorted(jit_extensions() - extensions_before)
+            what += f" optimizer={optimizer_name(trainer.engine)} jit_built={','.join(built) or 'none'}"
             return ("ok" if torch.isfinite(torch.tensor(loss)) else "FAIL"), what
 
         report.check("step", step_check)

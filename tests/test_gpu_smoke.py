@@ -46,7 +46,7 @@ def assert_all_passed(lines: list[str], engine_name: str) -> None:
     assert not failed, failed
     assert device == "cpu" and int(checks) == len(CHECKS) - 1 == int(passed)
     assert peak == "n/a" and tflops == "n/a" and float(step_s) > 0
-    assert f"engine={engine_name}" in status["step"][1]
+    assert f"engine={engine_name}" in status["step"][1] and "optimizer=AdamW(fused)" in status["step"][1]
     # the resume check compares values that must differ from a fresh engine's: it could have failed
     fresh = re.search(r"resumed (\S+) .*a fresh engine: (\S+)\)", status["resume"][1])
     assert fresh and fresh.group(1) != fresh.group(2), status["resume"][1]
