@@ -254,7 +254,69 @@ def test_images_and_ray_version_agree_with_the_project() -> None:
     assert ray_pin.endswith("==" + spec["rayVersion"])
     images = {c["image"] for _, t in _pod_templates() for c in t["spec"]["containers"]}
     images |= {c["image"] for c in _only("Job")["spec"]["template"]["spec"]["containers"]}
-    assert images == {"ghcr.io/dspark/dspark-train:0.1.0"}
+    assert images == {_readme_image()}, "every manifest names the image k8s/README.md builds"
+
+
+def _readme_image() -> str:
+    """The image k8s/README.md's build command tags: `IMAGE=<name>` then `docker build -f k8s/Dockerfile -t $IMAGE .`"""
+    text = (K8S_DIR / "README.md").read_text()
+    (image,) = re.findall(r"^IMAGE=(\S+)$", text, re.M)
+    (dockerfile,) = re.findall(r"^docker build -f (\S+) -t \$IMAGE \.", text, re.M)
+    assert (REPO / dockerfile).is_file() and dockerfile == "k8s/Dockerfile"
+    return image
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """k8s/Dockerfile as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    lines, joined = [], ""
+    for raw in (K8S_DIR / "Dockerfile").read_text().splitlines():
+        if raw.lstrip().startswith("#") and not joined:
+            continue
+        joined += raw.rstrip().removesuffix("\\") + " " if raw.rstrip().endswith("\\") else raw
+        if not raw.rstrip().endswith("\\"):
+            if joined.strip():
+                word, _, rest = joined.strip().partition(" ")
+                lines.append((word, " ".join(rest.split())))
+            joined = ""
+    return lines
+
+
+def test_dockerfile_pins_a_cuda_torch_and_its_nccl_that_nothing_replaces() -> None:
+    steps = _dockerfile()
+    known = {"FROM", "ARG", "ENV", "RUN", "WORKDIR", "COPY", "CMD"}
+    assert {w for w, _ in steps} <= known, [w for w, _ in steps if w not in known]
+    args = dict(a.split("=", 1) for w, a in steps if w == "ARG")
+    ci_torch = re.search(r"pip install torch==(\S+)", (REPO / ".ci" / "run").read_text()).group(1)
+    assert args["TORCH_VERSION"] == ci_torch == "2.13.0"  # the project's pin, as CI installs it
+    cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d\d)(\d)", args["TORCH_INDEX"])
+    assert cuda, args["TORCH_INDEX"]
+    # the NCCL of that CUDA major, pinned to an exact version
+    assert re.fullmatch(rf"nvidia-nccl-cu{cuda.group(1)}==\d+\.\d+\.\d+", args["NCCL_PIN"]), args["NCCL_PIN"]
+    assert re.fullmatch(r"\$\{CUDA_BASE\}", steps[1][1]) and args["CUDA_BASE"].startswith("nvidia/cuda:")
+    assert f"-{cuda.group(1)}.{cuda.group(2)}." in "-" + args["CUDA_BASE"].split(":")[1], args["CUDA_BASE"]
+    runs = [a for w, a in steps if w == "RUN"]
+    (torch_run,) = [i for i, r in enumerate(runs) if '"torch==${TORCH_VERSION}"' in r]
+    assert '"${NCCL_PIN}"' in runs[torch_run] and '--index-url "${TORCH_INDEX}"' in runs[torch_run]
+    (project_run,) = [i for i, r in enumerate(runs) if r.startswith("pip install -e /app")]
+    assert torch_run < project_run
+    # every pip call after torch's runs under the constraints file that holds torch and NCCL
+    env_at = [i for i, (w, a) in enumerate(steps) if w == "ENV" and "PIP_CONSTRAINT=/etc/pip-constraints.txt" in a]
+    assert env_at and env_at[0] < [i for i, (w, a) in enumerate(steps) if a.startswith("pip install -e")][0]
+    assert "/etc/pip-constraints.txt" in runs[torch_run]
+    # the last RUN asserts the versions, as .ci/run does for the CPU wheel
+    check = runs[-1]
+    assert check.startswith("python -c") and "assert v.split('+')[0] == '2.13.0'" in check
+    assert "torch.version.cuda.startswith('13.0')" in check and "md.version(nccl_name) == nccl_version" in check
+    # apt as hadolint wants it: update and install in one layer, no recommends, lists removed
+    for r in runs:
+        if "apt-get update" in r:
+            assert "apt-get install -y --no-install-recommends" in r and "rm -rf /var/lib/apt/lists/*" in r
+
+
+def test_dockerignore_keeps_runs_caches_and_carried_wheels_out() -> None:
+    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    assert {".git", "runs", ".cache", ".whl"} <= ignored, ignored
 
 
 def test_standing_raycluster_has_the_rayjob_cluster_shape() -> None:
