@@ -213,7 +213,7 @@ class TargetGroup:
         ]
         address = self._members[0].rendezvous.remote()
         options = {"compute_dtype": t["dtype"], "wire_dtype": t["wire_dtype"],
-                   "max_tokens_per_forward": t["max_tokens_per_forward"]}
+                   "max_tokens_per_forward": t["max_tokens_per_forward"], "max_seq_len": t.get("max_seq_len")}
         backend = "nccl" if self._bundle.get("GPU") else "gloo"
         self._tokens = [m.setup.remote(address, rank, self.size, backend, t["resolved_path"], self._layers, options,
                                        bool(t["expert_parallel"]), float(t["batch_timeout_s"]))

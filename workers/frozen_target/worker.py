@@ -75,7 +75,8 @@ def _whole(weight: torch.Tensor) -> torch.Tensor:
 class TargetWorker:
     def __init__(self, target_path: str | os.PathLike, layers: list[int], compute_dtype: torch.dtype | str = "float32",
                  wire_dtype: torch.dtype | str = "bfloat16", device: str | None = None,
-                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192, distributed=None):
+                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192, distributed=None,
+                 max_seq_len: int | None = None):
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
         if sum(x is not None for x in (device, device_map, distributed)) > 1:
@@ -92,6 +93,11 @@ class TargetWorker:
         self.ctx_is_final = self.layers == [FINAL_HIDDEN]
         validate_layers(self.layers, target_dims(self.model)[2])
         self.max_tokens_per_forward = max_tokens_per_forward
+        if self.input_device.type == "cuda":  # refuse a forward the weights leave no room for, before any batch
+            from workers.frozen_target.sizing import check_forward_fits
+
+            check_forward_fits(self.model, max_tokens_per_forward, self.layers, max_seq_len or max_tokens_per_forward,
+                               distributed.tp_size if distributed is not None else 1)
 
     def pid(self) -> int:
         return os.getpid()
