@@ -148,8 +148,6 @@ def bytes_per_token(config: Any, attn_impl: str, tp_size: int, sent_layers: int,
 def target_memory(cfg: RunConfig, gpu_gib: float, model_config: Any = None) -> TargetMemory:
     """The memory of one target-group rank for run config `cfg` on a GPU of `gpu_gib` GiB. `model_config`: a
     transformers PretrainedConfig; None reads cfg.target.path's config.json."""
-    from workers.frozen_target.worker import as_dtype
-
     t = cfg.target
     if model_config is None:
         from transformers import AutoConfig
@@ -157,7 +155,7 @@ def target_memory(cfg: RunConfig, gpu_gib: float, model_config: Any = None) -> T
         from workers.frozen_target.model import resolve_target_path
 
         model_config = AutoConfig.from_pretrained(str(resolve_target_path(t.path)))
-    dtype = as_dtype(t.dtype)
+    dtype = getattr(torch, t.dtype)  # a name the config's range admits (float32, bfloat16, float16)
     model = meta_model(model_config, dtype)
     weights = rank_weight_bytes(model, model_config, t.tp_size, t.expert_parallel)
     sent = len({i for i in cfg.draft.target_layers if i != FINAL_HIDDEN})

@@ -135,10 +135,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 def _one_line(e: BaseException) -> str:
     """'Type: message' of a fatal error; one raised on a target worker arrives wrapped in a RayTaskError (its str
     a traceback): its root cause's line."""
-    if isinstance(e, ray.exceptions.RayTaskError):
-        from workers.driver import root_cause
-
-        return root_cause(e)
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    e = cause if isinstance(cause, BaseException) else e
     return f"{type(e).__name__}: {e}"
 
 
