@@ -120,7 +120,8 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     connect()
     check_cluster_fits(cfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     control = RunControl.remote()
-    target = {**cfg.target.__dict__, "resolved_path": str(target_path)}
+    # max_seq_len: the longest sequence a target forward holds, for its memory check (workers/frozen_target/sizing.py)
+    target = {**cfg.target.__dict__, "resolved_path": str(target_path), "max_seq_len": cfg.data.max_len}
     cache = open_feature_cache(cfg, samples_digest, target_path, log)
     service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(
         str(samples_path), target, list(cfg.draft.target_layers), cfg.data.samples_per_batch, cfg.data.seed,

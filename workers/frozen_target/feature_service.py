@@ -67,7 +67,8 @@ class FeatureService:
             TargetGroup(i, target, layers) if target["tp_size"] > 1 else
             actor_cls.options(**target_worker_options(target)).remote(
                 target["resolved_path"], layers, compute_dtype=target["dtype"], wire_dtype=target["wire_dtype"],
-                max_tokens_per_forward=target["max_tokens_per_forward"], **placement)
+                max_tokens_per_forward=target["max_tokens_per_forward"], max_seq_len=target.get("max_seq_len"),
+                **placement)
             for i in range(target["num_workers"])
         ]
         self._lock = threading.Lock()

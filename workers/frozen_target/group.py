@@ -38,12 +38,47 @@ from typing import Any
 import ray
 
 from workers.loopback import is_loopback, join_store, serve_store, use_loopback_interface
+from workers.oom import OutOfMemory, first_line
 
 log = logging.getLogger(__name__)
 
 # Errors a member raises as a task error, keeping its process: bad input or a target that cannot be loaded (the
-# same on every member, so a restart would not help). Anything else inside a forward or a collective ends it.
-_INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError)
+# same on every member, so a restart would not help), and running out of GPU memory (workers/oom.py: the same batch
+# runs out again on a restarted group; fatal to the run, one line). Anything else inside a forward or a collective
+# ends it.
+_INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError, OutOfMemory)
+
+# Every member sees all of its node's GPUs, as under torchrun, and binds the one Ray gave its bundle: NCCL then
+# finds its peers' devices (P2P/NVLS over NVLink) instead of each process seeing a single GPU
+# (ray-project/ray#61073: slow first collectives and hangs on NVSwitch nodes otherwise).
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def member_options(bundle: dict[str, float], resources: dict | None, pg: Any, rank: int) -> dict[str, Any]:
+    """Ray actor options of member `rank`: its bundle of the group's placement group (bundle index = rank, every
+    bundle on one node), and for a GPU member every GPU of the node visible."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=resources or None,
+                   max_restarts=0, max_task_retries=0,
+                   scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
+    if bundle.get("GPU"):
+        options["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+    return options
+
+
+def bind_gpu(rank: int) -> int:
+    """Bind this member to its GPU the way torchrun does: LOCAL_RANK = its index in the group (its placement-group
+    bundle; a group is one node), `torch.cuda.set_device` to the GPU Ray assigned that bundle, as an index among the
+    GPUs this process sees (all of the node's, CUDA_VISIBLE_DEVICES left unset by Ray). Returns that index."""
+    import torch
+
+    gpu = str(ray.get_gpu_ids()[0])
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    index = visible.index(gpu) if gpu in visible else int(gpu)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.cuda.set_device(index)
+    return index
 
 
 class TargetGroupMember:
@@ -75,15 +110,14 @@ class TargetGroupMember:
         from workers.frozen_target.worker import TargetWorker
 
         self.rank = rank
-        # Ray gives a GPU member exactly one visible GPU, so its local device is always index 0.
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                            "MASTER_ADDR": address[0], "MASTER_PORT": str(address[1])})
         if is_loopback(address[0]):  # a local cluster: gloo's and NCCL's sockets on loopback too
             use_loopback_interface()
         timeout = timedelta(seconds=timeout_s)
         try:
             if backend == "nccl":
-                torch.cuda.set_device(0)
+                bind_gpu(rank)
             assert rank != 0 or self._store is not None, "rank 0 serves the store: rendezvous runs on it first"
             store = self._store if rank == 0 else join_store(address[0], address[1], world, timeout)
             store.set_timeout(timeout)
@@ -91,6 +125,10 @@ class TargetGroupMember:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
             self._worker = TargetWorker(target_path, layers, distributed=distributed_config(world, expert_parallel),
                                         **options)
+        except torch.OutOfMemoryError as e:  # loading: the same weights do not fit on a restart either
+            self._setup_error = OutOfMemory(f"target rank {rank} ran out of GPU memory loading {target_path} "
+                                            f"({first_line(e)}); give the target more GPUs (target.tp_size, "
+                                            "target.expert_parallel) or a smaller checkpoint dtype")
         except _INPUT_ERRORS as e:
             self._setup_error = e
         except BaseException as e:  # a peer lost while forming the group, or loading failed mid-collective
@@ -128,8 +166,8 @@ class TargetGroupMember:
         """(FeatureBatch on rank 0 / None elsewhere, a small done token the group polls for dead members); rank 0,
         which holds the whole features, stores them in the feature cache `cache` when given."""
         worker = self._ready()
-        try:
-            batch = worker.encode(batch_index, samples, cache if self.rank == 0 else None)
+        try:  # only rank 0 copies its features to the host: the others run the forward for its collectives
+            batch = worker.encode(batch_index, samples, cache if self.rank == 0 else None, host_copy=self.rank == 0)
         except _INPUT_ERRORS:
             raise
         except Exception as e:
@@ -160,26 +198,22 @@ class TargetGroup:
         self.restarts = 0
         self._members: list[Any] = []
         self._tokens: list[ray.ObjectRef] = []  # refs of the calls in flight, polled for a dead member
+        self._fatal: BaseException | None = None  # a member's OutOfMemory: every later call raises it
         self._start()
         self.encode = _Method(self._encode)
         self.embedding_weights = _Method(self._embedding_weights)
         self.info = _Method(lambda: self._members[0].info.remote())
 
     def _start(self) -> None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         t = self._target
         actor = ray.remote(TargetGroupMember)
         self._members = [
-            actor.options(num_cpus=self._bundle["CPU"], num_gpus=self._bundle.get("GPU", 0),
-                          resources=t["resources_per_worker"] or None, max_restarts=0, max_task_retries=0,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                              self._pg, placement_group_bundle_index=rank)).remote()
+            actor.options(**member_options(self._bundle, t["resources_per_worker"], self._pg, rank)).remote()
             for rank in range(self.size)
         ]
         address = self._members[0].rendezvous.remote()
         options = {"compute_dtype": t["dtype"], "wire_dtype": t["wire_dtype"],
-                   "max_tokens_per_forward": t["max_tokens_per_forward"]}
+                   "max_tokens_per_forward": t["max_tokens_per_forward"], "max_seq_len": t.get("max_seq_len")}
         backend = "nccl" if self._bundle.get("GPU") else "gloo"
         self._tokens = [m.setup.remote(address, rank, self.size, backend, t["resolved_path"], self._layers, options,
                                        bool(t["expert_parallel"]), float(t["batch_timeout_s"]))
@@ -196,12 +230,17 @@ class TargetGroup:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 lost = True
+            except OutOfMemory as e:  # on any member (rank 0's reaches its trainer too): ends the run, no restart
+                self._fatal = self._fatal or e
             except Exception:  # noqa: BLE001 - an error about the input: the group itself is fine
                 pass
         return lost
 
     def _restart_if_lost(self) -> None:
-        if not self._lost_member():
+        lost = self._lost_member()
+        if self._fatal is not None:  # its own message, not the RayTaskError's traceback
+            raise OutOfMemory(str(getattr(self._fatal, "cause", None) or self._fatal))
+        if not lost:
             return
         limit = int(self._target["max_restarts"])
         if limit != -1 and self.restarts >= limit:

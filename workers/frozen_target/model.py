@@ -12,6 +12,7 @@ hidden_states[-1] (true for Llama-style models, not guaranteed for every archite
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -208,7 +209,7 @@ def tiny_moe_target(kind: str = "qwen3_moe", seed: int = 0, hidden_size: int = 6
                     num_experts: int = 4, top_k: int = 2, tokenizer=None, tie_word_embeddings: bool = False,
                     cache_dir: str | os.PathLike | None = None):
     """A tiny random-weight MoE causal LM of a real architecture, with the SmolLM2 tokenizer (vocab 49152)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV4Config, Qwen3MoeConfig
 
     if tokenizer is None:
         tokenizer = smollm2_tokenizer(cache_dir)
@@ -228,8 +229,16 @@ def tiny_moe_target(kind: str = "qwen3_moe", seed: int = 0, hidden_size: int = 6
                                   n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
                                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                   v_head_dim=16)
+    elif kind == "deepseek_v4":
+        # hyper-connections (hc_mult 4 streams per token), single-head-KV attention with q/o LoRA, a sparse indexer
+        # and sliding windows: small sizes of transformers 5.24's DeepseekV4Config; its decoder layer states are
+        # [B, L, 4, D] (reduced to [B, L, D] by `reduce_streams`)
+        config = DeepseekV4Config(**{**common, "num_key_value_heads": 1}, n_routed_experts=num_experts,
+                                  head_dim=hidden_size // 2, q_lora_rank=hidden_size // 2, o_groups=2,
+                                  o_lora_rank=hidden_size // 2, index_n_heads=2, index_head_dim=16, index_topk=8,
+                                  sliding_window=16, hc_mult=4)
     else:
-        raise ValueError(f"tiny_moe_target kind must be 'qwen3_moe' or 'deepseek_v3', got {kind!r}")
+        raise ValueError(f"tiny_moe_target kind must be 'qwen3_moe', 'deepseek_v3' or 'deepseek_v4', got {kind!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _freeze(model), tokenizer
@@ -237,7 +246,7 @@ def tiny_moe_target(kind: str = "qwen3_moe", seed: int = 0, hidden_size: int = 6
 
 # ---- target names -----------------------------------------------------------------------------------------------
 
-TINY_TARGETS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-deepseek-v3": "deepseek_v3"}
+TINY_TARGETS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-deepseek-v3": "deepseek_v3", "tiny-deepseek-v4": "deepseek_v4"}
 
 
 def resolve_target_path(name: str) -> Path:
@@ -335,14 +344,65 @@ def lm_head_input(model: nn.Module, last_only: bool) -> Iterator[dict[str, torch
     assert "final" in captured, "the model's forward did not call its output embeddings"
 
 
-def layer_features(final_BLD: torch.Tensor, hidden_states: Sequence[torch.Tensor] | None,
+def reduce_streams(state: torch.Tensor) -> torch.Tensor:
+    """One layer state as [B, L, D]: a DeepSeek-V4 decoder layer's output is [B, L, hc_mult, D] (its
+    hyper-connection streams); the serving engines hand a DSpark/EAGLE-3 drafter their mean, so this does too:
+    llama.cpp's `build_hc_mean` (src/models/deepseek4.cpp, its `t_layer_inp`) and vllm-ascend's
+    `DeepseekV4Model.forward` (vllm_ascend/models/deepseek_v4.py: `aux_hidden_states.append(hidden_states.mean(dim=1))`
+    on its [T, hc_mult, D] streams). docs/gpu-correctness.md has the details.
+    A 3-D state (every other architecture, and V4's final state after `hc_head` + norm) is returned as it is."""
+    return state.mean(dim=-2) if state.ndim == 4 else state
+
+
+def layer_features(final_BLD: torch.Tensor, hidden_states: Sequence[torch.Tensor] | dict[int, torch.Tensor] | None,
                    layers: list[int]) -> torch.Tensor:
-    """ctx_BLF: hidden_states[i] for i in `layers` (FINAL_HIDDEN = the LM-head input), side by side; [B, L, 0]
-    for no layers. With device_map the hidden states may sit on several devices: gathered where the final is."""
+    """ctx_BLF: hidden_states[i] for i in `layers` (FINAL_HIDDEN = the LM-head input), each reduced to [B, L, D]
+    (`reduce_streams`), side by side; [B, L, 0] for no layers. With device_map the hidden states may sit on several
+    devices: gathered where the final is."""
     if not layers:
         return final_BLD.new_zeros(*final_BLD.shape[:-1], 0)
-    parts = [final_BLD if i == FINAL_HIDDEN else hidden_states[i].to(final_BLD.device) for i in layers]
+    parts = [final_BLD if i == FINAL_HIDDEN else reduce_streams(hidden_states[i]).to(final_BLD.device)
+             for i in layers]
     return torch.cat(parts, dim=-1)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers of a causal LM (Llama, Qwen3-MoE, DeepSeek-V3/V4, ...), or None when it has no
+    `get_decoder().layers`."""
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if callable(get_decoder) else None
+    return layers if isinstance(layers, nn.ModuleList) else None
+
+
+@contextmanager
+def layer_states(model: nn.Module, indices: set[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Capture hidden_states[i] (Hugging Face numbering) for just the `indices`, by forward hooks: 0 = the first
+    decoder layer's input, 1..num_layers-1 = decoder layer i-1's output, num_layers = the decoder's
+    last_hidden_state (post-norm, as HF's output_hidden_states hands it back). Each state is reduced to [B, L, D]
+    (`reduce_streams`) as it is seen, so the forward keeps len(indices) states, not num_layers + 1."""
+    layers = decoder_layers(model)
+    num_layers = len(layers)
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(i: int, state) -> None:
+        state = state[0] if isinstance(state, (tuple, list)) else state
+        captured[i] = reduce_streams(state)
+
+    handles = []
+    for i in sorted(indices):
+        if i == 0:
+            handles.append(layers[0].register_forward_pre_hook(
+                lambda m, args, kwargs: keep(0, args[0] if args else kwargs["hidden_states"]), with_kwargs=True))
+        elif i < num_layers:
+            handles.append(layers[i - 1].register_forward_hook(lambda m, args, out, i=i: keep(i, out)))
+        else:
+            handles.append(model.get_decoder().register_forward_hook(
+                lambda m, args, out: keep(num_layers, out[0] if isinstance(out, tuple) else out.last_hidden_state)))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @torch.no_grad()
@@ -350,16 +410,19 @@ def capture_features(model: nn.Module, input_ids_BL: torch.Tensor, attention_mas
                      layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward; returns (ctx_BLF, final_BLD).
 
-    ctx concatenates hidden_states[i] for i in `layers` (-1 = the LM-head input); final is the exact LM-head
-    input (`lm_head_input`, which keeps the forward's own logits to the last position, never returned); this
-    works for any causal LM whose forward ends in its output embeddings, with no per-architecture base-model call.
-    Cost: output_hidden_states keeps all num_layers + 1 states of the micro-batch alive until it returns; for a
-    very deep target, bound this with the worker's max_tokens_per_forward (or hook only the chosen layers).
+    ctx concatenates hidden_states[i] for i in `layers` (-1 = the LM-head input), each [B, L, D]; final is the exact
+    LM-head input (`lm_head_input`, which keeps the forward's own logits to the last position, never returned);
+    this works for any causal LM whose forward ends in its output embeddings, with no per-architecture base-model
+    call. Memory: forward hooks keep only the named layers' states (`layer_states`); a model without
+    `get_decoder().layers` falls back to output_hidden_states (all num_layers + 1 states of the micro-batch).
     """
     validate_layers(layers, target_dims(model)[2])
-    with lm_head_input(model, last_only=True) as captured:
-        out = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, output_hidden_states=True,
+    wanted = {i for i in layers if i != FINAL_HIDDEN}
+    hooked = not wanted or decoder_layers(model) is not None
+    with lm_head_input(model, last_only=True) as captured, \
+            layer_states(model, wanted) if hooked and wanted else contextlib.nullcontext({}) as states:
+        out = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, output_hidden_states=not hooked,
                     use_cache=False, return_dict=True)
     final_BLD = captured["final"]
     assert final_BLD.shape[:2] == input_ids_BL.shape, f"LM-head input {tuple(final_BLD.shape)} is not per token"
-    return layer_features(final_BLD, out.hidden_states, layers), final_BLD
+    return layer_features(final_BLD, states if hooked else out.hidden_states, layers), final_BLD

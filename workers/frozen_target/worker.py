@@ -28,6 +28,7 @@ from workers.frozen_target.model import (
     target_dims,
     validate_layers,
 )
+from workers.oom import out_of_memory_is_fatal, target_forward_oom
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,13 @@ def plan_micro_batches(lengths: list[int], max_tokens_per_forward: int) -> list[
     return groups
 
 
+def _rank() -> int:
+    """This process's rank in its target group (0 for a worker alone)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _whole(weight: torch.Tensor) -> torch.Tensor:
     """A parameter as one plain tensor: a tensor-parallel DTensor is gathered from its shards."""
     weight = weight.detach()
@@ -67,7 +75,8 @@ def _whole(weight: torch.Tensor) -> torch.Tensor:
 class TargetWorker:
     def __init__(self, target_path: str | os.PathLike, layers: list[int], compute_dtype: torch.dtype | str = "float32",
                  wire_dtype: torch.dtype | str = "bfloat16", device: str | None = None,
-                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192, distributed=None):
+                 device_map: str | dict | None = None, max_tokens_per_forward: int = 8192, distributed=None,
+                 max_seq_len: int | None = None):
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
         if sum(x is not None for x in (device, device_map, distributed)) > 1:
@@ -84,6 +93,11 @@ class TargetWorker:
         self.ctx_is_final = self.layers == [FINAL_HIDDEN]
         validate_layers(self.layers, target_dims(self.model)[2])
         self.max_tokens_per_forward = max_tokens_per_forward
+        if self.input_device.type == "cuda":  # refuse a forward the weights leave no room for, before any batch
+            from workers.frozen_target.sizing import check_forward_fits
+
+            check_forward_fits(self.model, max_tokens_per_forward, self.layers, max_seq_len or max_tokens_per_forward,
+                               distributed.tp_size if distributed is not None else 1)
 
     def pid(self) -> int:
         return os.getpid()
@@ -112,10 +126,15 @@ class TargetWorker:
 
         return generate_batch(self.model, self.tokenizer, prompts, params, seed)
 
-    def encode(self, batch_index: int, samples: list[TokenizedSample], cache: str | None = None) -> FeatureBatch:
+    def encode(self, batch_index: int, samples: list[TokenizedSample], cache: str | None = None,
+               host_copy: bool = True) -> FeatureBatch | None:
         """Features of `samples` (kept in the given order) as one dense FeatureBatch in the wire dtype; with `cache`
         (a feature cache directory, workers/frozen_target/feature_cache.py) every sample not stored there yet is
-        stored."""
+        stored. `host_copy=False` (ranks 1..N-1 of a target group): run the forwards, whose collectives the group
+        needs, but copy nothing to the host and return None; rank 0 alone ships the features.
+
+        A forward that runs out of GPU memory raises workers/oom.OutOfMemory (fatal, one line naming this rank,
+        the forward's tokens and target.max_tokens_per_forward): the same batch would run out again."""
         if not samples:
             raise ValueError(f"batch {batch_index}: no samples to encode")
         lengths = [len(s.input_ids) for s in samples]
@@ -132,12 +151,18 @@ class TargetWorker:
             for b, i in enumerate(group):  # torch.tensor copies: arrays that arrive through Ray are read-only
                 ids_BL[b, :lengths[i]] = torch.tensor(samples[i].input_ids, dtype=torch.long)
                 mask_BL[b, :lengths[i]] = 1
-            ctx_BLF, final_BLD = capture_features(self.model, ids_BL.to(self.input_device),
-                                                  mask_BL.to(self.input_device), self.layers)
+            with out_of_memory_is_fatal(target_forward_oom, _rank(), batch_index, tuple(ids_BL.shape),
+                                        self.max_tokens_per_forward):
+                ctx_BLF, final_BLD = capture_features(self.model, ids_BL.to(self.input_device),
+                                                      mask_BL.to(self.input_device), self.layers)
+            if not host_copy:
+                continue
             for b, i in enumerate(group):
                 if not self.ctx_is_final:
                     ctx_parts[i] = ctx_BLF[b, :lengths[i]].to("cpu", self.wire_dtype)
                 fin_parts[i] = final_BLD[b, :lengths[i]].to("cpu", self.wire_dtype)
+        if not host_copy:
+            return None
         seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
         seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
         fb = FeatureBatch(

@@ -37,6 +37,7 @@ from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
 from workers.lease import LeaseLost
+from workers.oom import out_of_memory_is_fatal, trainer_step_oom
 from workers.preemption import Notice
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
@@ -134,7 +135,8 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                 batches.start(step + 1)  # overlaps the next step's fetch with this step's compute
             t_data = time.time() - t0
 
-            rank_sums, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
+            with out_of_memory_is_fatal(trainer_step_oom, rank, step + 1, micro, cfg):
+                rank_sums, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
             for mb in micro:
                 ledger.record(step + 1, mb.batch_index, rank, world, mb.sample_ids)
             if micro and micro[0].batch.input_ids_T.is_cuda:

@@ -26,6 +26,7 @@ from pipeline.export import export_draft, export_meta
 from pipeline.metrics import JsonlSink, MultiSink, NullSink, TensorBoardSink, get_logger
 from pipeline.order import batch_index_for
 from workers.lease import LeaseLost
+from workers.oom import OutOfMemory
 from workers.preemption import stop_on_signal
 from workers.run_control import StopPoller
 from workers.trainer.checkpoint import CheckpointError, CheckpointManager
@@ -95,7 +96,9 @@ class FeatureServiceBatches:
 # rank died, a collective broke, an actor was lost) is left to Ray Train's restart.
 # LeaseLost: the driver is gone or another took the run dir over; a restarted group would find the same. A
 # CheckpointError includes a save that hit a full disk, a quota, a read-only file system or a permission error.
-FATAL_ERRORS = (FloatingPointError, ValueError, TimeoutError, CheckpointError, LeaseLost)
+# OutOfMemory (workers/oom.py): the same batch runs out of GPU memory again on a rebuilt group, and so does a target
+# group's forward (raised to the trainer through its feature batch).
+FATAL_ERRORS = (FloatingPointError, ValueError, TimeoutError, CheckpointError, LeaseLost, OutOfMemory)
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -116,7 +119,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         fatal = e if isinstance(e, FATAL_ERRORS) else CheckpointManager(
             loop_config["config"]["checkpoint"]["run_dir"]).write_failure(e)
         if fatal is not None:
-            if not _recorded(control, f"{type(fatal).__name__}: {fatal}"):
+            if not _recorded(control, _one_line(fatal)):
                 raise  # RunControl died with the driver: nobody is left to report it
             _leave_process_group()
             return
@@ -127,6 +130,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if peer_fatal is None:
             raise
         _leave_process_group()  # a consequence of a peer's fatal error (the peer left the collective): not retried
+
+
+def _one_line(e: BaseException) -> str:
+    """'Type: message' of a fatal error; one raised on a target worker arrives wrapped in a RayTaskError (its str
+    a traceback): its root cause's line."""
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    e = cause if isinstance(cause, BaseException) else e
+    return f"{type(e).__name__}: {e}"
 
 
 def _recorded(control: Any, message: str) -> bool:

@@ -108,7 +108,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     worker = TargetWorker(target_path, list(cfg.draft.target_layers), cfg.target.dtype, cfg.target.wire_dtype,
-                          device=str(dev), max_tokens_per_forward=cfg.target.max_tokens_per_forward)
+                          device=str(dev), max_tokens_per_forward=cfg.target.max_tokens_per_forward,
+                          max_seq_len=cfg.data.max_len)
     vocab, hidden, layers = worker.info()
     try:
         cfg.draft = cfg.draft.resolved_for_target(vocab, hidden, layers)

@@ -27,6 +27,7 @@ from pipeline.config import RunConfig
 from pipeline.contracts import FeatureBatch
 from pipeline.order import batches_per_epoch
 from pipeline.packing import PackStats, pack
+from workers.trainer.collective import collective_device
 
 
 class DraftWithLoss(nn.Module):
@@ -101,7 +102,8 @@ def apply_moe_balance(module: nn.Module) -> None:
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    """Σ over the ranks in fp64, on the device the group's backend serves (workers/trainer/collective.py)."""
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()

@@ -1,0 +1,124 @@
+"""Target sizing (workers/frozen_target/sizing.py) on tiny configs, against numbers worked out by hand: the weights
+in the bytes the checkpoint stores (bf16/fp32, FP8 blocks, V4's MXFP4 experts) and split by the sharding plan,
+the capture's bytes per token, the largest forward that fits and the worker's refusal after loading; under -m slow
+the TP = 2 share equals what a real 2-rank gloo group holds.
+
+Run: python -m pytest -q tests/test_target_sizing.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+from transformers import DeepseekV4Config, LlamaConfig
+
+from pipeline.config import RunConfig
+from workers.frozen_target import sizing
+
+V, D, I, L, H, KV = 1000, 64, 128, 2, 4, 2  # a tiny Llama: every parameter counted by hand below
+
+
+def _llama(**kw) -> LlamaConfig:
+    return LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
+                       num_key_value_heads=KV, tie_word_embeddings=False, **kw)
+
+
+HEAD_DIM = D // H
+LINEAR = L * (2 * D * D + 2 * D * KV * HEAD_DIM + 3 * D * I)  # q, o, k, v, gate, up, down
+OTHER = 2 * V * D + L * 2 * D + D  # embedding, LM head, two norms per layer, the final norm
+
+
+def _cfg(tp: int = 1, dtype: str = "float32", max_tokens: int = 64, max_len: int = 16, layers=(-1,)) -> RunConfig:
+    cfg = RunConfig()
+    cfg.target.tp_size, cfg.target.dtype, cfg.target.max_tokens_per_forward = tp, dtype, max_tokens
+    cfg.data.max_len, cfg.draft.target_layers = max_len, list(layers)
+    return cfg
+
+
+def test_weights_are_counted_in_the_loaded_dtype_and_split_by_the_plan():
+    fp32 = sizing.target_memory(_cfg(), 1.0, _llama())
+    assert fp32.weights_gib * sizing.GIB == 4 * (LINEAR + OTHER)
+    bf16 = sizing.target_memory(_cfg(dtype="bfloat16"), 1.0, _llama())
+    assert bf16.weights_gib * sizing.GIB == 2 * (LINEAR + OTHER)
+    # Llama's plan splits every projection, the embedding and the LM head over the group; norms stay whole
+    tp2 = sizing.target_memory(_cfg(tp=2, dtype="bfloat16"), 1.0, _llama())
+    assert tp2.weights_gib * sizing.GIB == 2 * (LINEAR / 2 + V * D + L * 2 * D + D)
+
+
+def test_fp8_checkpoints_store_linear_weights_in_one_byte_plus_block_scales():
+    cfg = _llama(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    got = sizing.target_memory(_cfg(dtype="bfloat16"), 1.0, cfg).weights_gib * sizing.GIB
+    assert got == pytest.approx(LINEAR * (1 + 4 / 256) + 2 * OTHER, rel=1e-12)  # embedding and head stay bf16
+
+
+def _tiny_v4(**kw) -> DeepseekV4Config:
+    return DeepseekV4Config(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, head_dim=32,
+                            num_key_value_heads=1, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=8,
+                            num_experts_per_tok=2, o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=16,
+                            index_topk=8, sliding_window=16, hc_mult=4, **kw)
+
+
+def test_v4_fp4_experts_and_its_eager_attention():
+    plain = _tiny_v4()
+    quant = _tiny_v4(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    quant.expert_dtype = "fp4"
+    model = sizing.meta_model(plain, torch.bfloat16)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3)
+    assert experts == 2 * 8 * 3 * 32 * D  # two layers of 8 experts, gate+up+down of 32 x 64
+    a = sizing.target_memory(_cfg(dtype="bfloat16"), 1.0, plain).weights_gib * sizing.GIB
+    b = sizing.target_memory(_cfg(dtype="bfloat16"), 1.0, quant).weights_gib * sizing.GIB
+    linear_gap = a - b - experts * (2 - (0.5 + 1 / 32))  # what FP8 saved on the linear layers
+    assert linear_gap > 0 and (a - b) > experts * 1.4
+    # eager only (per-head sinks): 4 heads x 16 keys x (2 + 2 + 4) bytes of scores per token dominate
+    assert model.config._attn_implementation == "eager"
+    per_token = sizing.bytes_per_token(plain, "eager", 1, 0, 16, torch.bfloat16)
+    transient = max((2 * 4 + 2 * 1) * 32, 2 * (D + 3 * 32) + 3 * 32)  # attention widths vs routed + shared MoE
+    assert per_token == 2 * (2 * 4 * D + transient + D) + 4 * 16 * 8
+
+
+def test_capture_bytes_per_token_and_the_largest_forward():
+    # fp32, sdpa: 2 x D of residual in and out, the larger of attention (2H + 2KV heads) and MLP (3I), one sent
+    # layer and the LM-head input kept, and a 16-byte row of the padding mask
+    per_token = 4 * (2 * D + max((2 * H + 2 * KV) * HEAD_DIM, 3 * I) + 2 * D) + 16
+    assert sizing.bytes_per_token(_llama(), "sdpa", 1, 1, 16, torch.float32) == per_token
+    weights = 4 * (LINEAR + OTHER)
+    gpu_gib = (weights + 1000 * per_token) / sizing.GIB / (1 - sizing.RESERVE)  # room for 1000 tokens exactly
+    mem = sizing.target_memory(_cfg(max_tokens=1000, layers=[1, -1]), gpu_gib, _llama())
+    assert mem.max_tokens_per_forward == 1000 and mem.fits
+    assert mem.capture_gib * sizing.GIB == 1000 * per_token
+    over = sizing.target_memory(_cfg(max_tokens=1001, layers=[1, -1]), gpu_gib, _llama())
+    assert not over.fits and over.max_tokens_per_forward == 1000
+    # not even one sequence of data.max_len: no forward fits at all
+    assert sizing.target_memory(_cfg(max_len=2000, max_tokens=2000), gpu_gib, _llama()).max_tokens_per_forward == 0
+
+
+def test_a_worker_refuses_a_forward_the_weights_leave_no_room_for(monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_llama())
+    per_token = sizing.bytes_per_token(model.config, model.config._attn_implementation, 1, 0, 16, torch.float32)
+    free = 500 * per_token / (1 - sizing.RESERVE)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, 80 * sizing.GIB))
+    sizing.check_forward_fits(model, 500, [-1], seq_len=16)
+    with pytest.raises(ValueError, match=r"^target.max_tokens_per_forward=501 does not fit .* use at most 500$"):
+        sizing.check_forward_fits(model, 501, [-1], seq_len=16)
+
+
+def _local_bytes(rank: int, world: int, path: str) -> int:
+    from workers.frozen_target.sharding import distributed_config
+    from workers.frozen_target.worker import TargetWorker
+
+    return TargetWorker(path, [-1], distributed=distributed_config(world, False)).param_bytes()
+
+
+@pytest.mark.slow
+def test_the_tp2_share_is_what_a_real_group_rank_holds():
+    from transformers import AutoConfig
+
+    from workers.frozen_target.model import resolve_target_path
+
+    path = str(resolve_target_path("tiny-qwen3-moe"))
+    held = run_ranks(_local_bytes, 2, path, timeout=300)
+    want = sizing.target_memory(_cfg(tp=2), 1.0, AutoConfig.from_pretrained(path)).weights_gib * sizing.GIB
+    assert held[0] == held[1] == want
