@@ -30,8 +30,8 @@ Checks, in the order they run (GPU shapes; --cpu shrinks every one):
   resume          save through CheckpointManager, take a step, resume a fresh engine from the checkpoint, take the same
                   step: the same loss (and a fresh engine's differs, so the check can fail); at a smaller width
   capture_*       tiny random DeepSeek-V4 / DeepSeek-V3 / Qwen3-MoE targets at 16 x 4096 tokens through
-                  capture_features: the memory its capture takes above the weights, all layers against hooked layers
-                  where capture_features offers a `hooked` switch
+                  capture_features: the memory its capture takes above the weights, all layers (output_hidden_states)
+                  against the hooked layers capture_features keeps
 Last line: gpu_smoke device=NAME checks=N passed=P trainer_peak_gib=X step_s=Y tflops=Z
 (N counts the checks that ran, skips excluded; values that a CPU run cannot measure print as n/a).
 """
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import os
 import re
 import socket
@@ -496,74 +495,65 @@ class _Vocab:
 
 
 def tiny_target(kind: str, hidden: int, layers: int, vocab: int):
-    """A tiny random target of a real architecture: the project's own tiny_moe_target where it knows the kind,
-    else (DeepSeek-V4 on this tree) one built here like tests/test_deepseek_checkpoint.py's."""
-    from workers.frozen_target.model import _freeze, tiny_moe_target
+    """A tiny random target of a real architecture (workers/frozen_target/model.tiny_moe_target)."""
+    from workers.frozen_target.model import tiny_moe_target
 
-    try:
-        model, _ = tiny_moe_target(kind, hidden_size=hidden, num_layers=layers, num_experts=8,
-                                   tokenizer=_Vocab(vocab))
-        return model
-    except ValueError:
-        if kind != "deepseek_v4":
-            raise
-    import transformers
+    model, _ = tiny_moe_target(kind, hidden_size=hidden, num_layers=layers, num_experts=8, tokenizer=_Vocab(vocab))
+    return model
 
-    if not hasattr(transformers, "DeepseekV4Config"):
-        return None
-    from transformers import AutoModelForCausalLM, DeepseekV4Config
 
-    config = DeepseekV4Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                              head_dim=64, q_lora_rank=hidden // 2, moe_intermediate_size=hidden // 2,
-                              n_routed_experts=8, num_experts_per_tok=2, o_groups=2, o_lora_rank=hidden // 2,
-                              index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=128, hc_mult=4,
-                              pad_token_id=0, num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    return _freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+CAPTURE_LAYERS = [2, -1]  # a context layer and the LM-head input, as the dflash / dspark presets send
 
 
 def capture_check(kind: str, device: torch.device) -> tuple[str, str]:
-    """capture_features on a tiny random target: the GPU memory its capture takes above the weights and inputs,
-    with every layer's state kept (output_hidden_states) and, where capture_features offers it, hooked layers."""
-    import transformers
-
+    """Feature capture on a tiny random target: the GPU memory a forward takes above the weights and inputs with
+    every layer's state kept (`output_hidden_states`, what capture did before it hooked the sent layers) against
+    capture_features, which keeps only CAPTURE_LAYERS."""
     from workers.frozen_target.model import capture_features
 
     seqs, tokens, hidden, layers, vocab = CAPTURE_GPU if device.type == "cuda" else CAPTURE_CPU
     model = tiny_target(kind, hidden, layers, vocab)
-    if model is None:
-        return "skip", f"transformers {transformers.__version__} has no DeepseekV4Config"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     ids_BL = torch.randint(3, vocab, (seqs, tokens), generator=g).to(device)
     mask_BL = torch.ones_like(ids_BL)
-    params = inspect.signature(capture_features).parameters
-    modes = {"all": {}} | ({"hooked": {"hooked": True}} if "hooked" in params else {})
-    gib, shapes = {}, {}
-    for mode, kwargs in modes.items():
+
+    def all_states():
+        out = model(input_ids=ids_BL, attention_mask=mask_BL, output_hidden_states=True, use_cache=False)
+        return out.hidden_states[-1], len(out.hidden_states)
+
+    def hooked():
+        ctx_BLF, final_BLD = capture_features(model, ids_BL, mask_BL, CAPTURE_LAYERS)
+        if tuple(final_BLD.shape) != (seqs, tokens, hidden) or not torch.isfinite(ctx_BLF).all():
+            raise ValueError(f"final state {tuple(final_BLD.shape)}, expected {(seqs, tokens, hidden)} and finite")
+        return final_BLD, len(CAPTURE_LAYERS)
+
+    gib, kept = {}, {}
+    for mode, run in (("all", all_states), ("hooked", hooked)):
         sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        ctx_BLF, final_BLD = capture_features(model, ids_BL, mask_BL, [-1], **kwargs)
+        try:
+            with torch.no_grad():
+                state, kept[mode] = run()
+        except ValueError as e:
+            return "FAIL", f"{mode}: {e}"
         sync(device)
         if device.type == "cuda":
             gib[mode] = (torch.cuda.max_memory_allocated(device) - base) / GIB
-        if tuple(final_BLD.shape) != (seqs, tokens, hidden) or not torch.isfinite(final_BLD).all():
-            return "FAIL", f"{mode}: final state {tuple(final_BLD.shape)}, expected {(seqs, tokens, hidden)} finite"
-        shapes[mode] = tuple(final_BLD.shape)
-        del ctx_BLF, final_BLD
+        del state
     model = None
     release()
-    what = f"{seqs}x{tokens} tokens hidden={hidden} layers={layers} final={shapes['all']}"
+    what = f"{seqs}x{tokens} tokens hidden={hidden} layers={layers} states kept all={kept['all']} " \
+           f"hooked={kept['hooked']}"
     if not gib:
         return "ok", f"{what} capture_gib=n/a (CPU)"
     mem = " ".join(f"capture_gib_{m}={v:.2f}" for m, v in gib.items())
-    hooked = "" if "hooked" in gib else f" hooked=n/a (capture_features takes {', '.join(params)})"
-    if "hooked" in gib and gib["hooked"] > gib["all"] * 1.01:
+    if gib["hooked"] > gib["all"] * 1.01:
         return "FAIL", f"{what} {mem}: hooked capture kept more than all layers"
-    return "ok", f"{what} {mem}{hooked}"
+    return "ok", f"{what} {mem}"
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
