@@ -12,6 +12,8 @@ Run: VLLM_CPU_OMP_THREADS_BIND=0 python -m pytest -m vllm -q tests/test_vllm_tar
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -102,7 +104,16 @@ RUN = ["--max-steps", str(STEPS), "--config", "launch/configs/servable.yaml", "d
        "checkpoint.export=false"]
 
 
+def _orphaned_vllm_processes() -> set[int]:
+    """vLLM engine/worker processes whose parent is gone (others' live engines are not orphans)."""
+    import psutil
+
+    return {p.pid for p in psutil.process_iter(["name", "ppid"])
+            if (p.info["name"] or "").startswith("VLLM::") and p.info["ppid"] == 1}
+
+
 def test_a_vllm_run_trains_the_transformers_curve_and_survives_a_killed_engine(tmp_path):
+    orphans_before = _orphaned_vllm_processes()
     head = LoopbackHead(num_cpus=4, dashboard=True)
     try:
         ref_dir, run_dir = tmp_path / "transformers", tmp_path / "vllm"
@@ -116,6 +127,8 @@ def test_a_vllm_run_trains_the_transformers_curve_and_survives_a_killed_engine(t
         head.stop()
     assert rc == 0, log[-4000:]
     assert [f[:3] for f in fired] == [(3, "kill", "VllmEngine")]
+    time.sleep(2)
+    assert _orphaned_vllm_processes() <= orphans_before  # the killed engine's processes died with it
     got = {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
     want = {s: r["loss"] for s, r in read_jsonl_metrics(ref_dir / "metrics.jsonl").items()}
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))

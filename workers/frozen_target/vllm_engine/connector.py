@@ -14,7 +14,10 @@ Legend: T tokens of one request, K captured layers, D hidden size.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -33,9 +36,24 @@ class _Copied:
         return True
 
 
+def _exit_with_parent() -> None:
+    """Die with the process that started this one (Linux PR_SET_PDEATHSIG). vLLM's engine core does not watch its
+    parent: when Ray SIGKILLs an engine actor (a crash, a fault test), its engine and worker processes would
+    otherwise live on, holding the model's memory and their cores. The connector is built in both, so it arms it."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 class DSparkHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        _exit_with_parent()
         self._transport = self._kv_transfer_config.get_from_extra_config("transport", "shm")
         if self._transport not in TRANSPORTS:
             raise ValueError(f"kv_connector_extra_config.transport must be one of {TRANSPORTS}, "
