@@ -97,6 +97,34 @@ def test_a_missing_vllm_environment_is_one_line_naming_the_command(tmp_path):
     assert vllm_python(_target()) == str(VLLM_ENV_DIR / "bin" / "python")
 
 
+def test_vllm_replies_for_the_data_stage_equal_transformers_greedy(local_ray):
+    from pipeline.data.regenerate import GenParams
+    from workers.frozen_target.generation import LocalGenerator
+    from workers.frozen_target.model import load_target, smollm2_tokenizer
+    from workers.frozen_target.vllm_worker import VllmGenerator, start_generation_engines
+
+    tok = smollm2_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for q in ("What is 2 + 2?", "Name a prime number.", "Write one word.")]
+    params = GenParams(temperature=0.0, max_new_tokens=24)
+    batches = [(11, prompts[:2]), (12, prompts[2:])]
+    engines = start_generation_engines(resolve_target_path("smollm2"), "float32", 1, vllm_enforce_eager=True)
+    try:
+        got = list(VllmGenerator(engines)(batches, params))
+        sampled = list(VllmGenerator(engines)(batches, GenParams(temperature=1.0, max_new_tokens=24)))
+    finally:
+        local_ray.get([e.shutdown.remote() for e in engines], timeout=120)
+        for e in engines:
+            local_ray.kill(e)
+    model, _ = load_target(resolve_target_path("smollm2"))
+    want = list(LocalGenerator(model, tok)(batches, params))
+    assert [[g.token_ids for g in b] for b in got] == [[g.token_ids for g in b] for b in want]
+    assert [[g.finished for g in b] for b in got] == [[g.finished for g in b] for b in want]
+    for batch in sampled:  # the same format: new ids, ending with a stop token exactly when finished
+        for g in batch:
+            assert 1 <= len(g.token_ids) <= 24 and (g.token_ids[-1] == tok.eos_token_id) == g.finished
+
+
 STEPS = 8
 RUN = ["--max-steps", str(STEPS), "--config", "launch/configs/servable.yaml", "data.num_samples=64",
        "data.max_len=96", "data.samples_per_batch=4", "cluster.num_trainers=1", "checkpoint.every_steps=4",

@@ -152,3 +152,41 @@ class VllmTarget:
         except Exception:  # noqa: BLE001 - a dead engine has nothing left to stop
             pass
         ray.kill(self.engine, no_restart=True)
+
+
+class VllmGenerator:
+    """The data stage's ReplyGenerator (pipeline/data/regenerate.py) on vLLM engines: every batch is submitted at
+    once, spread round robin over the engines, each engine runs its prompts as one continuous batch with vLLM's
+    sampling; replies come back in batch order in the same Generation format as workers/frozen_target/generation.py
+    (new token ids ending with the stop token when finished). Not the same random draws as transformers' sampler:
+    a regenerated data set is the target's distribution, not a bit-exact replay."""
+
+    def __init__(self, engines: list) -> None:
+        if not engines:
+            raise ValueError("VllmGenerator needs at least one vLLM engine")
+        self.engines = engines
+
+    def __call__(self, batches, params):
+        from pipeline.data.regenerate import Generation
+
+        plain = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                 "max_new_tokens": params.max_new_tokens}
+        refs = [self.engines[i % len(self.engines)].generate.remote([list(map(int, p)) for p in prompts], plain, seed)
+                for i, (seed, prompts) in enumerate(batches)]
+        for ref in refs:
+            try:
+                yield [Generation(ids, finished) for ids, finished in ray.get(ref)]
+            except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError: counted per row by the caller
+                yield e
+
+
+def start_generation_engines(target_path: str | os.PathLike, dtype: str, num: int, **target_keys) -> list:
+    """`num` vLLM generation engines (no capture) for the data stage; `target_keys` override TargetConfig fields
+    (e.g. tp_size, vllm_enforce_eager)."""
+    from pipeline.config import TargetConfig
+    from workers.frozen_target.vllm_engine.engine import VllmEngine
+
+    target = {**TargetConfig().__dict__, "backend": "vllm", "dtype": dtype, **target_keys,
+              "resolved_path": str(target_path)}
+    actor = ray.remote(VllmEngine).options(**engine_actor_options(target))
+    return [actor.remote(target, None) for _ in range(num)]

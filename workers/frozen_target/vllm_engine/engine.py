@@ -46,20 +46,26 @@ def aux_layer_ids(layers: list[int], num_layers: int) -> list[int]:
     return sorted({i for i in layers if 0 <= i < num_layers} | {num_layers})
 
 
-def engine_kwargs(target: dict[str, Any], aux_ids: list[int], storage_dir: str) -> dict[str, Any]:
-    """The `vllm.LLM(...)` arguments of one replica, from the resolved target config (a plain dict)."""
+def engine_kwargs(target: dict[str, Any], aux_ids: list[int] | None, storage_dir: str = "") -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments of one replica, from the resolved target config (a plain dict); `aux_ids`
+    None: a plain generation engine (the data stage's replies), no capture."""
     max_tokens = int(target["max_tokens_per_forward"])
-    return {
+    common = {
         "model": str(target["resolved_path"]), "dtype": target["dtype"], "seed": 0,
         "tensor_parallel_size": int(target["tp_size"]), "pipeline_parallel_size": int(target["pp_size"]),
         "enable_expert_parallel": bool(target["expert_parallel"]),
         "distributed_executor_backend": target["vllm_executor"] or None,
         "enforce_eager": bool(target["vllm_enforce_eager"]),
+        "kv_cache_memory_bytes": int(float(target["vllm_kv_cache_gib"]) * 2**30),
+    }
+    if aux_ids is None:
+        return common
+    return {
+        **common,
         # a capture must never come from another request's cached blocks, and one step must be able to take the
         # longest sequence whole (+1 for the token max_tokens=1 asks for); encode() still checks every token
         "enable_prefix_caching": False,
         "max_model_len": max_tokens + 1, "max_num_batched_tokens": max_tokens + 1,
-        "kv_cache_memory_bytes": int(float(target["vllm_kv_cache_gib"]) * 2**30),
         "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
         "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
@@ -106,7 +112,8 @@ def _bytes(t: torch.Tensor) -> bytes:
 class VllmEngine:
     """One vLLM engine (a Ray actor in the vLLM environment). `target`: the resolved target config as a dict."""
 
-    def __init__(self, target: dict[str, Any], layers: list[int]) -> None:
+    def __init__(self, target: dict[str, Any], layers: list[int] | None) -> None:
+        """`layers` None: a generation engine (`generate`), without the hidden-state capture."""
         # vLLM's engine and worker processes import our connector by module path: give them this package
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p)
@@ -116,12 +123,15 @@ class VllmEngine:
 
         cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
         self.num_layers = int(cfg.get("text_config", cfg)["num_hidden_layers"])
-        self.layers = list(layers)
-        self.aux_ids = aux_layer_ids(self.layers, self.num_layers)
-        self.norm = final_norm(target["resolved_path"])
         self.wire_dtype = getattr(torch, target["wire_dtype"])
         self.transport = target["vllm_transport"]
         self.storage = tempfile.mkdtemp(prefix="dspark-vllm-hs-")
+        if layers is None:
+            self.layers, self.aux_ids = None, None
+        else:
+            self.layers = list(layers)
+            self.aux_ids = aux_layer_ids(self.layers, self.num_layers)
+            self.norm = final_norm(target["resolved_path"])
         self.kwargs = engine_kwargs(target, self.aux_ids, self.storage)
         self.llm = LLM(**self.kwargs)
 
@@ -162,6 +172,22 @@ class VllmEngine:
         return {"dtype": str(self.wire_dtype).removeprefix("torch."), "num_tokens": int(final_TD.shape[0]),
                 "ctx_width": int(ctx_TF.shape[1]), "hidden": int(final_TD.shape[1]),
                 "ctx": _bytes(ctx_TF), "final": _bytes(final_TD)}
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any], seed: int) -> list[tuple[list[int], bool]]:
+        """The target's replies (the data stage's regeneration, pipeline/data/regenerate.py): (new token ids, ending
+        with the stop token when finished; finished) per rendered prompt, all prompts in one continuous batch.
+        Request i samples with seed + i, so a reply does not depend on which batch it came in."""
+        from vllm import SamplingParams
+
+        greedy = float(params["temperature"]) == 0
+        sampling = [SamplingParams(temperature=float(params["temperature"]),
+                                   top_p=1.0 if greedy else float(params["top_p"]),
+                                   top_k=0 if greedy else int(params["top_k"]),
+                                   max_tokens=int(params["max_new_tokens"]), seed=(seed + i) % 2**63)
+                    for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sampling,
+                                 use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop") for o in outs]
 
     def shutdown(self) -> None:
         """Stop the engine's processes and remove the lock directory (also run when the actor is killed)."""
