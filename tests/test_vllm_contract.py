@@ -16,7 +16,13 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from pipeline.contracts import TokenizedSample
-from workers.frozen_target.vllm_engine.engine import aux_layer_ids, engine_kwargs, layer_features, rms_norm
+from workers.frozen_target.vllm_engine.engine import (
+    aux_layer_ids,
+    check_final_rule,
+    engine_kwargs,
+    layer_features,
+    rms_norm,
+)
 from workers.frozen_target.vllm_engine.transfer import read_states, write_states
 from workers.frozen_target.vllm_worker import engine_actor_options, feature_batch
 
@@ -55,6 +61,8 @@ def test_parallelism_and_capture_settings_reach_the_engine_arguments():
     assert kw["kv_transfer_config"]["kv_connector_module_path"] == "workers.frozen_target.vllm_engine.connector"
     assert kw["kv_transfer_config"]["kv_connector_extra_config"]["transport"] == "shm"
     assert engine_kwargs(_target(), [30], "/tmp/x")["distributed_executor_backend"] is None  # vLLM's choice
+    plain = engine_kwargs(_target(), None)  # the data stage's generation engine: no capture
+    assert "speculative_config" not in plain and "kv_transfer_config" not in plain and plain["seed"] == 0
     # vLLM's ray executor places the engine's own GPU workers; otherwise the actor holds all tp x pp GPUs
     assert engine_actor_options({**t, "vllm_python": __import__("sys").executable})["num_gpus"] == 0
     mp = {**t, "vllm_executor": "mp", "vllm_python": __import__("sys").executable}
@@ -70,6 +78,9 @@ def test_layer_ids_map_to_vllm_aux_ids_and_the_final_norm_matches_transformers()
     assert aux_layer_ids([2, -1], L) == [2, L] and aux_layer_ids([0, L, 1], L) == [0, 1, L]
     with pytest.raises(ValueError, match="target layer 5 out of range"):
         aux_layer_ids([5], L)
+    check_final_rule({"num_hidden_layers": 4})
+    with pytest.raises(ValueError, match="hyper-connections"):
+        check_final_rule({"num_hidden_layers": 4, "hc_mult": 4})
     torch.manual_seed(0)
     norm = LlamaRMSNorm(D, eps=1e-5)
     norm.weight.data = torch.rand(D) + 0.5

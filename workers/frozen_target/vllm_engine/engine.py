@@ -90,6 +90,14 @@ def final_norm(model_dir: str | os.PathLike) -> tuple[torch.Tensor, float]:
     raise ValueError(f"{model_dir}: no final norm weight (model.norm.weight) in its safetensors")
 
 
+def check_final_rule(cfg: dict[str, Any]) -> None:
+    """Refuse a target whose final pre-LM-head state is not `final RMSNorm(aux id L)` (docs/vllm-target.md)."""
+    if int(cfg.get("hc_mult", 1) or 1) > 1:
+        raise ValueError("target.backend=vllm: this target has hyper-connections (hc_mult > 1, DeepSeek-V4): vLLM's "
+                         "aux states are the mean of the hc streams and its final state needs hc_head before the norm, "
+                         "which this engine does not apply yet (docs/vllm-target.md)")
+
+
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-style RMSNorm as transformers computes it: in fp32, cast back, then scaled by the weight."""
     x = x_TD.float()
@@ -122,7 +130,10 @@ class VllmEngine:
         from vllm import LLM
 
         cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
-        self.num_layers = int(cfg.get("text_config", cfg)["num_hidden_layers"])
+        cfg = cfg.get("text_config", cfg)
+        self.num_layers = int(cfg["num_hidden_layers"])
+        if layers is not None:
+            check_final_rule(cfg)
         self.wire_dtype = getattr(torch, target["wire_dtype"])
         self.transport = target["vllm_transport"]
         self.storage = tempfile.mkdtemp(prefix="dspark-vllm-hs-")
