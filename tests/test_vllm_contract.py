@@ -123,3 +123,12 @@ def test_the_feature_batch_is_built_on_our_side_from_plain_bytes():
     assert fb.input_ids_T.tolist() == [5, 6, 7, 8, 9] and fb.loss_mask_T.tolist() == [0, 1, 1, 1, 1]
     with pytest.raises(RuntimeError, match="returned 5 token states for 4 tokens"):
         feature_batch(11, samples[:1] + [TokenizedSample(9, np.array([8]), np.array([1], bool))], raw, False)
+
+
+def test_the_single_process_trainer_refuses_the_vllm_backend_in_one_line(tmp_path):
+    from launch_helpers import run_launch
+
+    res = run_launch(["--single-process", "--run-dir", str(tmp_path / "run"), "--max-steps", "1",
+                      "target.backend=vllm"], timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "target.backend=vllm needs the Ray pipeline" in res.stderr and "drop --single-process" in res.stderr
