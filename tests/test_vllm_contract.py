@@ -132,3 +132,17 @@ def test_the_single_process_trainer_refuses_the_vllm_backend_in_one_line(tmp_pat
                       "target.backend=vllm"], timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "target.backend=vllm needs the Ray pipeline" in res.stderr and "drop --single-process" in res.stderr
+
+
+def test_cluster_check_counts_a_vllm_replica_s_gpus_and_lets_vllm_s_ray_executor_span_nodes():
+    from pipeline.errors import InputError
+    from workers.driver import check_cluster_fits
+
+    over = ["target.backend=vllm", "target.num_workers=1", "target.tp_size=8", "target.pp_size=2",
+            "target.gpus_per_worker=1", "target.cpus_per_worker=8", "cluster.num_trainers=8", "cluster.use_gpu=true"]
+    small = {"CPU": 64.0, "GPU": 8.0}
+    check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 3)  # 16 + 8 GPUs
+    with pytest.raises(InputError, match=r"^the run needs 24 GPUs"):
+        check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 2)
+    with pytest.raises(InputError, match=r"needs 16 GPUs on one node .* the largest node has 8$"):
+        check_cluster_fits(load_config(None, [*over, "target.vllm_executor=mp"]), [small] * 3)
