@@ -146,3 +146,28 @@ def test_cluster_check_counts_a_vllm_replica_s_gpus_and_lets_vllm_s_ray_executor
         check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 2)
     with pytest.raises(InputError, match=r"needs 16 GPUs on one node .* the largest node has 8$"):
         check_cluster_fits(load_config(None, [*over, "target.vllm_executor=mp"]), [small] * 3)
+
+
+def test_what_a_killed_engine_left_behind_is_removed_by_the_next_one():
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from workers.frozen_target.vllm_engine.transfer import STORAGE_PREFIX, remove_leftovers, storage_dir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    mine = storage_dir()  # this (live) process's
+    gone = Path(tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{dead.pid}-"))
+    for d in (Path(mine), gone):
+        path = str(d / "0-abc.safetensors")
+        open(path + ".lock", "w").close()
+        write_states(path, "shm", torch.ones(2, 1, 3), torch.arange(2))
+    try:
+        assert remove_leftovers() >= 2  # the dead engine's directory and its segment
+        assert not gone.exists() and Path(mine).is_dir()
+        states, _ = read_states(str(Path(mine) / "0-abc.safetensors"), "shm")  # the live one's is untouched
+        assert torch.equal(states, torch.ones(2, 1, 3))
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

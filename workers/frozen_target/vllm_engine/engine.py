@@ -22,13 +22,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workers.frozen_target.vllm_engine.transfer import read_states
+from workers.frozen_target.vllm_engine.transfer import read_states, remove_leftovers, storage_dir
 
 FINAL = -1  # our "final pre-LM-head state" (draft_model.config.FINAL_HIDDEN; not imported: vLLM env)
 CONNECTOR = "DSparkHiddenStatesConnector"
@@ -136,7 +135,8 @@ class VllmEngine:
             check_final_rule(cfg)
         self.wire_dtype = getattr(torch, target["wire_dtype"])
         self.transport = target["vllm_transport"]
-        self.storage = tempfile.mkdtemp(prefix="dspark-vllm-hs-")
+        remove_leftovers()  # of an engine this one replaces (Ray restarts a killed actor here)
+        self.storage = storage_dir()
         if layers is None:
             self.layers, self.aux_ids = None, None
         else:

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import os
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,10 +30,51 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 _HEADER = 4  # int64s: T, K, D, dtype code
 
 
+STORAGE_PREFIX = "dspark-vllm-hs-"  # + the engine actor's pid + "-": one lock directory per engine
+SEGMENT_PREFIX = "dspark_hs_"
+
+
+def storage_dir() -> str:
+    """A new lock directory for this engine process, named by its pid so a later engine can clean up after it."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{os.getpid()}-")
+
+
 def segment_name(path: str) -> str:
-    """The shared-memory name of a request's path: a hash, so replicas (whose request ids repeat: "0", "1", ...)
-    never collide while their storage directories differ, and the name stays short."""
-    return "dspark_hs_" + hashlib.sha1(path.encode()).hexdigest()[:24]
+    """The shared-memory name of a request's path: the engine's pid and a hash, so replicas (whose request ids
+    repeat: "0", "1", ...) never collide, and what a killed engine left behind can be told apart."""
+    pid = Path(path).parent.name.removeprefix(STORAGE_PREFIX).split("-")[0]
+    return f"{SEGMENT_PREFIX}{pid}_" + hashlib.sha1(path.encode()).hexdigest()[:20]
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> int:
+    """Remove the lock directories and shared-memory segments of engines that died before handing their states
+    over (a SIGKILLed actor runs no cleanup); returns how many were removed."""
+    import shutil
+    import tempfile
+
+    removed = 0
+    for d in Path(tempfile.gettempdir()).glob(f"{STORAGE_PREFIX}*"):
+        if not _alive(d.name.removeprefix(STORAGE_PREFIX).split("-")[0]):
+            shutil.rmtree(d, ignore_errors=True)
+            removed += 1
+    shm = Path("/dev/shm")
+    for seg in shm.glob(f"{SEGMENT_PREFIX}*") if shm.is_dir() else []:
+        if not _alive(seg.name.removeprefix(SEGMENT_PREFIX).split("_")[0]):
+            seg.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def write_states(path: str, transport: str, states_TKD: torch.Tensor, token_ids_T: torch.Tensor) -> None:
