@@ -67,7 +67,7 @@ class FeatureService:
         # backend vllm: each "worker" is a VllmTarget (one vLLM engine, its own parallelism); tp_size > 1: a
         # TargetGroup; both are called through the same .encode.remote(...) interface
         self._workers = [
-            VllmTarget(i, target, layers) if target["backend"] == "vllm" else
+            VllmTarget(i, target, layers) if target.get("backend") == "vllm" else
             TargetGroup(i, target, layers) if target["tp_size"] > 1 else
             actor_cls.options(**target_worker_options(target)).remote(
                 target["resolved_path"], layers, compute_dtype=target["dtype"], wire_dtype=target["wire_dtype"],
