@@ -5,6 +5,9 @@ Render existing conversations (no model needed, only its tokenizer):
 Regenerate the replies with the target (in this process; add --ray [--num-workers N] to use TargetWorker actors):
     python launch/prepare_data.py --input prompts.jsonl --target smollm2 --out data/regen --regenerate \
         --temperature 0.8 --top-p 0.95 --max-new-tokens 256 --batch-size 8 --max-len 1024
+With vLLM instead (continuous batching over all prompts of a call; the vLLM environment: launch/make_vllm_env.py):
+    python launch/prepare_data.py --input prompts.jsonl --target smollm2 --out data/regen --regenerate \
+        --backend vllm --batch-size 64 --num-workers 1
 Re-running the same command resumes an interrupted run. Train on the result with `data.source=data/regen`.
 
 Exit status: 0 on success, 2 for bad arguments or input (one clear line on stderr), 1 for a failed run.
@@ -45,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--dtype", default="", help="target compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--ray", action="store_true", help="generate in TargetWorker Ray actors (RAY_ADDRESS or local)")
     g.add_argument("--num-workers", type=int, default=1, help="target worker actors with --ray")
+    g.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                   help="vllm: generate with vLLM engines (continuous batching, vLLM's sampling) in Ray actors in "
+                        "the vLLM environment (launch/make_vllm_env.py; docs/vllm-target.md); implies --ray")
     g.add_argument("--gpus-per-worker", type=float, default=-1, help="with --ray; default: 1 if a GPU is visible")
     return p.parse_args(argv)
 
@@ -55,7 +61,7 @@ def make_generator(args: argparse.Namespace, target: Path):
     from workers.frozen_target.generation import LocalGenerator, RayGenerator
 
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    if not args.ray:
+    if not args.ray and args.backend == "transformers":
         from workers.frozen_target.model import load_target
         from workers.frozen_target.worker import as_dtype
 
@@ -71,6 +77,11 @@ def make_generator(args: argparse.Namespace, target: Path):
     ray.init(address=address or "local", runtime_env=worker_runtime_env(address),
              **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
     gpus = args.gpus_per_worker if args.gpus_per_worker >= 0 else (1 if ray.cluster_resources().get("GPU") else 0)
+    if args.backend == "vllm":
+        from workers.frozen_target.vllm_worker import VllmGenerator, start_generation_engines
+
+        engines = start_generation_engines(target, dtype, args.num_workers, gpus_per_worker=gpus)
+        return VllmGenerator(engines), engines
     actors = [start_target_actor(target, [-1], num_gpus=gpus, compute_dtype=dtype)
               for _ in range(args.num_workers)]
     return RayGenerator(actors), actors
@@ -115,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         if actors is not None:
             import ray
 
+            if args.backend == "vllm":  # stop vLLM's own engine processes before Ray kills their actors
+                ray.get([a.shutdown.remote() for a in actors], timeout=120)
             ray.shutdown()
     dt = time.time() - t0
     dropped = ", ".join(f"{k} {v}" for k, v in stats["dropped"].items() if v) or "none"

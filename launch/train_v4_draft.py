@@ -133,6 +133,10 @@ def _run(args: argparse.Namespace, cfg: RunConfig, run_dir: Path, lease: Lease, 
         if args.single_process:
             from workers.trainer.single_process import train_single_process
 
+            if cfg.target.backend == "vllm":  # the engine is a Ray actor in its own environment
+                raise InputError("target.backend=vllm needs the Ray pipeline (the vLLM engine runs as a Ray actor in "
+                                 "its own Python environment): drop --single-process")
+
             train_single_process(cfg, log, resume_from=latest, fence=lease.fence())
         else:
             run_training(cfg, resume_from=latest, connect=lambda: connect_ray(cfg), log=log, fence=lease.fence())

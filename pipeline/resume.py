@@ -28,6 +28,10 @@ RESUMABLE_CHANGES = (
     "target.device_map", "target.max_tokens_per_forward",  # placement and forward chunking: same features
     # sharding: the same features to ~1e-6 in fp32 (tests/test_target_group.py), not bit for bit
     "target.tp_size", "target.expert_parallel",
+    # the engine: vLLM's features equal transformers' to ~2e-6 in fp32 (tests/test_vllm_target.py), and its own
+    # parallelism, environment and hand-off change where they are computed, not what they are
+    "target.backend", "target.pp_size", "target.vllm_python", "target.vllm_executor", "target.vllm_enforce_eager",
+    "target.vllm_transport", "target.vllm_kv_cache_gib",
     "data.max_in_flight",  # the prefetch bound, not the order
     "data.feature_cache",  # the features the target shipped, stored (workers/frozen_target/feature_cache.py)
     "loss.chunk_rows",  # the same sum over other chunks: memory and speed only

@@ -9,6 +9,17 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """vLLM tests (marker `vllm`: an engine build is 15-110 s and ~2.6 GB each) run only when the marker expression
+    names them (`python -m pytest -m vllm`), never in the default `-m "not slow"` suite."""
+    if "vllm" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="a vLLM test: run it with `python -m pytest -m vllm` (docs/vllm-target.md)")
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def local_ray(request: pytest.FixtureRequest):
     """A private local Ray cluster for the tests of one module, stopped after the last of them; yields the ray module.

@@ -6,6 +6,9 @@ them the entry points bench/, launch/ and tests/. An import may reach its own pa
 - evaluation/ may use the target (workers.frozen_target) but not the trainers (workers.trainer) nor the driver: it reads
   exports through pipeline.export;
 - bench/ does not import tests/; nothing imports launch/ (tests run its scripts as subprocesses);
+- vllm is imported only in workers/frozen_target/vllm_engine/, the code that runs inside the vLLM environment
+  (docs/vllm-target.md), and that package imports only the standard library, numpy, torch, safetensors, vllm and
+  itself: nothing on the trainer side imports vLLM, and the engine loads where our dependencies are absent;
 - no import cycle between the top-level packages, and none between modules (a circle hidden in a function body
   is still a circle).
 The checker is plain `ast`; test_the_checker_flags_bad_imports proves it can fail.
@@ -16,6 +19,7 @@ Run: python -m pytest tests/test_layering.py -q
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 FLOORS = ["draft_model", "pipeline", "serving", "workers", "evaluation"]  # bottom to top
 ENTRY_POINTS = ["bench", "launch", "tests"]  # folders of scripts and tests, above every floor
 PURE_TORCH_FORBIDDEN = ("ray", "deepspeed", "torch.distributed")
+VLLM_SIDE = "workers.frozen_target.vllm_engine"  # runs in the vLLM environment
+VLLM_SIDE_ALLOWED = ("numpy", "torch", "safetensors", "vllm", VLLM_SIDE)
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -84,6 +90,12 @@ def violations(root: Path) -> list[str]:
                     found.append(f"{where}: draft_model/ is pure PyTorch")
                 elif top in local and top != "draft_model":
                     found.append(f"{where}: draft_model/ imports no other project package")
+            if top == "vllm" and not _within(me, VLLM_SIDE):
+                found.append(f"{where}: only {VLLM_SIDE} imports vllm (it runs in the vLLM environment)")
+            if _within(me, VLLM_SIDE) and not (top in sys.stdlib_module_names
+                                               or any(_within(target, a) for a in VLLM_SIDE_ALLOWED)):
+                found.append(f"{where}: {VLLM_SIDE} imports only the stdlib, {', '.join(VLLM_SIDE_ALLOWED[:-1])} "
+                             "and itself (it runs in the vLLM environment)")
             if top == "launch":
                 found.append(f"{where}: nothing imports launch/ (run its scripts instead)")
             tests_helper = (root / "tests" / f"{top}.py").is_file() and not (root / "bench" / f"{top}.py").is_file()
@@ -153,7 +165,10 @@ def test_the_checker_flags_bad_imports(tmp_path):
         "evaluation/metrics.py": "",
         "evaluation/drafters.py": "def load():\n    from workers.trainer.checkpoint import load\n",
         "workers/trainer/__init__.py": "",
-        "workers/trainer/checkpoint.py": "",
+        "workers/trainer/checkpoint.py": "def f():\n    from vllm import LLM\n",
+        "workers/frozen_target/__init__.py": "",
+        "workers/frozen_target/vllm_engine/__init__.py": "",
+        "workers/frozen_target/vllm_engine/engine.py": "import json\nimport vllm\nfrom pipeline import config\n",
         "bench/faults.py": "import tests.launch_helpers\n",
         "bench/pipeline.py": "from dist_helpers import free_port\n",
         "tests/dist_helpers.py": "",
@@ -173,6 +188,9 @@ def test_the_checker_flags_bad_imports(tmp_path):
                      "bench/faults.py:1: bench imports tests.launch_helpers: bench/ does not import tests/",
                      "bench/pipeline.py:1: bench imports dist_helpers: bench/ does not import tests/",
                      "tests/test_x.py:1: tests imports launch.train: nothing imports launch/",
+                     "workers/trainer/checkpoint.py:2: workers imports vllm: only workers.frozen_target.vllm_engine",
+                     "vllm_engine/engine.py:3: workers imports pipeline.config: workers.frozen_target.vllm_engine "
+                     "imports only the stdlib",
                      "import cycle between packages: pipeline -> workers -> pipeline",
                      "import cycle between modules: draft_model.a -> draft_model.b -> draft_model.a"):
         assert expected in found, f"not flagged: {expected}\n{found}"

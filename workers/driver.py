@@ -32,7 +32,11 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
     for: in total, and each group on one node (its placement group is STRICT_PACK). `nodes` holds each live node's
     total resources (ray.nodes()'s "Resources"). A cluster that grows (an autoscaler) is not foreseen here."""
     t, c = cfg.target, cfg.cluster
-    group = {"GPU": t.tp_size * t.gpus_per_worker, "CPU": t.tp_size * t.cpus_per_worker}
+    # a vLLM replica: tp x pp GPUs, and one engine actor's CPUs; vLLM's "ray" executor may span nodes
+    ranks = t.tp_size * (t.pp_size if t.backend == "vllm" else 1)
+    group = {"GPU": ranks * t.gpus_per_worker,
+             "CPU": t.cpus_per_worker if t.backend == "vllm" else t.tp_size * t.cpus_per_worker}
+    one_node = t.tp_size > 1 and (t.backend == "transformers" or t.vllm_executor != "ray")
     trainers = {"GPU": c.num_trainers * (1.0 if c.use_gpu else 0.0), "CPU": c.num_trainers * c.cpus_per_trainer}
     shape = f"target.num_workers={t.num_workers} x target.tp_size={t.tp_size}"
     for kind, per in (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker")):
@@ -42,7 +46,7 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
             raise InputError(f"the run needs {need:g} {kind}s ({shape} x target.{per}={getattr(t, per):g}, plus "
                              f"{trainers[kind]:g} for {c.num_trainers} trainer(s)) but the Ray cluster has {have:g}")
         biggest = max((n.get(kind, 0.0) for n in nodes), default=0.0)
-        if t.tp_size > 1 and group[kind] > biggest + 1e-9:
+        if one_node and group[kind] > biggest + 1e-9:
             raise InputError(f"a target group needs {group[kind]:g} {kind}s on one node (target.tp_size={t.tp_size} "
                              f"x target.{per}={getattr(t, per):g}) but the largest node has {biggest:g}")
 

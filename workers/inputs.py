@@ -28,7 +28,8 @@ def precheck_target(cfg: RunConfig, target_path: Path) -> None:
     tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
     try:
         cfg.draft.check_target(int(tc.vocab_size), int(tc.hidden_size), int(tc.num_hidden_layers))
-        check_sharding(tc, cfg.target.tp_size, cfg.target.expert_parallel)
+        if cfg.target.backend == "transformers":  # vLLM shards the target itself (its own checks, at load)
+            check_sharding(tc, cfg.target.tp_size, cfg.target.expert_parallel)
     except ValueError as e:
         raise InputError(str(e)) from e
 

@@ -9,6 +9,7 @@ Faults. A batch is a pure function of its index (its samples come from pipeline/
 run's samples file), so every recovery is a re-run, never a replay of a queue:
 - a target worker that dies is restarted by Ray (`target.max_restarts`) and the encode calls it had in flight are
   re-run on the restarted worker (`max_task_retries`); a trainer waiting on such a batch simply waits longer;
+- a vLLM target (target.backend=vllm, workers/frozen_target/vllm_worker.py) is restarted like a worker;
 - a target group (target.tp_size > 1, workers/frozen_target/group.py) that loses a member is restarted whole on the next
   call it gets; its calls in flight fail, and their trainers ask for those batches again (the next point);
 - `get` is idempotent: a batch asked for again (a trainer group restarted from a checkpoint, or a trainer whose
@@ -28,6 +29,7 @@ from pipeline.order import batch_sample_ids
 from pipeline.sample_store import SampleStore
 from workers.frozen_target.feature_cache import has_all, read_batch
 from workers.frozen_target.group import TargetGroup
+from workers.frozen_target.vllm_worker import VllmTarget
 
 
 @ray.remote(num_cpus=0)
@@ -62,8 +64,10 @@ class FeatureService:
         # one GPU: the whole target on it; several: accelerate spreads its layers (device_map), invisible here
         placement = {"device_map": target["device_map"] or "auto"} if gpus > 1 else {
             "device": "cuda" if gpus > 0 else "cpu"}
-        # tp_size > 1: each "worker" is a TargetGroup, called through the same .encode.remote(...) interface
+        # backend vllm: each "worker" is a VllmTarget (one vLLM engine, its own parallelism); tp_size > 1: a
+        # TargetGroup; both are called through the same .encode.remote(...) interface
         self._workers = [
+            VllmTarget(i, target, layers) if target.get("backend") == "vllm" else
             TargetGroup(i, target, layers) if target["tp_size"] > 1 else
             actor_cls.options(**target_worker_options(target)).remote(
                 target["resolved_path"], layers, compute_dtype=target["dtype"], wire_dtype=target["wire_dtype"],
@@ -128,7 +132,7 @@ class FeatureService:
 
     def workers(self) -> list[Any]:
         """The target workers' handles (operators and fault tests); a target group's as the list of its members."""
-        return [w.members() if isinstance(w, TargetGroup) else w for w in self._workers]
+        return [w.members() if isinstance(w, TargetGroup | VllmTarget) else w for w in self._workers]
 
     def in_flight(self) -> int:
         with self._lock:
@@ -149,4 +153,4 @@ class FeatureService:
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=5.0)
         for w in self._workers:
-            w.kill() if isinstance(w, TargetGroup) else ray.kill(w, no_restart=True)
+            w.kill() if isinstance(w, TargetGroup | VllmTarget) else ray.kill(w, no_restart=True)

