@@ -23,8 +23,13 @@ def register_draft(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
     return decorator
 
 
-def build_draft(cfg: DraftConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> nn.Module:
-    """Instantiate `cfg.arch` on the target's frozen embedding [V, D] and LM head [V, D]."""
+def build_draft(cfg: DraftConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                frozen_dtype: torch.dtype | None = None) -> nn.Module:
+    """Instantiate `cfg.arch` on the target's frozen embedding [V, D] and LM head [V, D], stored in `frozen_dtype`
+    (None: torch's default dtype; draft_model/model.frozen_weights_dtype)."""
+    from draft_model.model import frozen_weights_dtype
+
     if cfg.arch not in DRAFTS:
         raise ValueError(f"unknown draft.arch {cfg.arch!r}; known architectures: {sorted(DRAFTS)}")
-    return DRAFTS[cfg.arch](cfg, embed_weight, lm_head_weight)
+    with frozen_weights_dtype(frozen_dtype):
+        return DRAFTS[cfg.arch](cfg, embed_weight, lm_head_weight)
