@@ -11,9 +11,6 @@ Legend: N blocks, K block size γ, D hidden, V vocab, R head rank.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +21,7 @@ from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.heads import SequentialHead, build_head
 from draft_model.layers import DraftBackbone
-from draft_model.registry import register_draft
+from draft_model.registry import frozen_weights_dtype, register_draft
 
 
 @dataclass
@@ -50,32 +47,16 @@ def resolve_cfg(cfg: DraftConfig, embed_VD: torch.Tensor, lm_head_VD: torch.Tens
     return cfg
 
 
-_FROZEN_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("frozen_dtype", default=None)
-
-
-@contextlib.contextmanager
-def frozen_weights_dtype(dtype: torch.dtype | None) -> Iterator[None]:
-    """Drafts built inside store the target's frozen embedding and LM head in `dtype` (None: torch's default
-    dtype). The trainers build in their training dtype (draft_model/registry.build_draft): DeepSpeed casts the
-    parameters to bf16 but never buffers, so an fp32 default would keep an fp32 copy of both resident (3.95 GiB
-    at v4 shapes) and the loss would cast the head to bf16 on every micro-batch."""
-    token = _FROZEN_DTYPE.set(dtype)
-    try:
-        yield
-    finally:
-        _FROZEN_DTYPE.reset(token)
-
-
 def register_frozen_target_weights(module: nn.Module, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> None:
     """The target's embedding and LM head as non-persistent buffers `frozen_embed_VD` / `frozen_lm_head_VD`:
     moved with the module, never trained, never saved in its state_dict; one tensor when the target ties them.
 
     They take the dtype of the draft's new parameters (torch's default dtype), whatever the target runs in, or the
-    one `frozen_weights_dtype` names: a bf16 target under an fp32 draft must not make the loss mix dtypes. Same
-    dtype: no copy, the target's tensors are shared."""
+    one `build_draft` was given (draft_model/registry.py): a bf16 target under an fp32 draft must not make the loss
+    mix dtypes. Same dtype: no copy, the target's tensors are shared."""
     tied = lm_head_VD is embed_VD or (lm_head_VD.data_ptr() == embed_VD.data_ptr()
                                       and lm_head_VD.stride() == embed_VD.stride())
-    dtype = _FROZEN_DTYPE.get() or torch.get_default_dtype()
+    dtype = frozen_weights_dtype() or torch.get_default_dtype()
     embed = embed_VD.detach().to(dtype)
     module.register_buffer("frozen_embed_VD", embed, persistent=False)
     module.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_VD.detach().to(dtype), persistent=False)
