@@ -11,7 +11,8 @@ Legend: T tokens of the batch's sequences concatenated, S sequences, F = m x D c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -55,6 +56,15 @@ class FeatureBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids_T.shape[0])
 
+    def __reduce__(self):
+        """Pickled as numpy arrays (bf16 as its int16 bits, numpy has no bf16): Ray's pickle protocol 5 keeps numpy
+        buffers out of band, so a trainer's `ray.get` maps them from the object store instead of copying them out
+        of the pickle (torch tensors pickle in band). The one host copy left is the pinning before the
+        host-to-device copy."""
+        arrays = {f.name: _to_wire_array(getattr(self, f.name)) for f in fields(self)
+                  if isinstance(getattr(self, f.name), torch.Tensor)}
+        return _rebuild_feature_batch, (self.batch_index, self.sample_ids, arrays, self.ctx_is_final)
+
     def nbytes(self) -> int:
         """Bytes of tensor payload this message carries."""
         return sum(t.numel() * t.element_size() for t in (self.input_ids_T, self.loss_mask_T, self.seq_start_S1,
@@ -70,6 +80,26 @@ class FeatureBatch:
             raise ValueError(nonfinite_message(ctx, fin, self.batch_index, self.sample_ids))
         return FeatureBatch(self.batch_index, self.sample_ids, self.input_ids_T.to(device),
                             self.loss_mask_T.to(device), self.seq_start_S1.to(device), ctx, fin, ctx_is_final=False)
+
+
+def _to_wire_array(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    t = t.detach().cpu().contiguous()
+    bf16 = t.dtype == torch.bfloat16
+    return (t.view(torch.int16) if bf16 else t).numpy(), bf16
+
+
+def _rebuild_feature_batch(batch_index: int, sample_ids: tuple[int, ...], arrays: dict, ctx_is_final: bool
+                           ) -> FeatureBatch:
+    """The FeatureBatch of `__reduce__`: tensors over the unpickled arrays' memory, no copy. Out of Ray's object
+    store that memory is read-only; nothing writes the wire tensors (packing gathers or passes them on, and the
+    decode or the pinning copies them)."""
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, (a, bf16) in arrays.items():
+            t = torch.from_numpy(a)
+            tensors[name] = t.view(torch.bfloat16) if bf16 else t
+    return FeatureBatch(batch_index, sample_ids, ctx_is_final=ctx_is_final, **tensors)
 
 
 def decode_features(ctx_TF: torch.Tensor, final_TD: torch.Tensor, dtype: torch.dtype
