@@ -153,8 +153,8 @@ class MoE(nn.Module):
 def grouped_mm_supported(x_TD: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands: the CPU kernel takes any float dtype; CUDA's takes bf16 on
     Ampere or newer (the rule transformers 5.24 applies, integrations/moe.py). Both need every row stride and
-    base pointer 16-byte aligned (a parameter inside a flat ZeRO buffer may not be) and one dtype (the op is not
-    autocast-enabled)."""
+    the weights' base pointers 16-byte aligned (a parameter inside a flat ZeRO buffer may not be) and one dtype (the
+    op is not autocast-enabled)."""
     if not hasattr(torch, "_grouped_mm") or any(w.dtype != x_TD.dtype for w in weights):
         return False
     if x_TD.device.type == "cuda":
@@ -165,5 +165,6 @@ def grouped_mm_supported(x_TD: torch.Tensor, *weights: torch.Tensor) -> bool:
     elif x_TD.device.type != "cpu":
         return False
     size = x_TD.element_size()
-    return all(t.stride(-1) == 1 and t.shape[-1] * size % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (x_TD, *weights))
+    # the activations the GEMMs read (the gathered pairs, the SwiGLU output) are fresh allocations: aligned
+    return (all(t.shape[-1] * size % 16 == 0 for t in (x_TD, *weights))
+            and all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 for w in weights))

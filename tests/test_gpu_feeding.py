@@ -411,3 +411,27 @@ def test_feature_service_fetch_and_pack_run_on_the_prefetch_thread(monkeypatch):
     assert [m.batch_index for m in micro] == [0, 1]
     assert all(e[-1].startswith("features") for e in log)
     assert [e[2] for e in log if e[0] == "wait"] == [True, True]  # pulled to this node before the get
+
+
+@pytest.mark.slow  # starts a local Ray instance: about 20 s on 2 cores
+def test_ray_get_maps_the_features_from_the_object_store():
+    """Through a real Ray object store the trainer's feature tensors are views of its shared memory (the
+    FeatureBatch pickles as numpy, out of band), not a copy out of the pickle on the heap."""
+    import ray
+
+    def mapping(ptr: int) -> str:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return (line.split()[5:] or ["anon"])[0]
+        return "?"
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2 ** 20)
+    try:
+        wire = _wire([30000, 20000], 0, ctx_is_final=True)  # 3.2 MB of features: a plasma object, not inlined
+        out = ray.get(ray.put(wire))
+        assert torch.equal(out.final_hidden_TD, wire.final_hidden_TD)
+        assert "plasma" in mapping(out.final_hidden_TD.data_ptr()), mapping(out.final_hidden_TD.data_ptr())
+    finally:
+        ray.shutdown()

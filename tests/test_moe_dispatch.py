@@ -87,7 +87,9 @@ def test_grouped_mm_rules():
     assert moe_module.grouped_mm_supported(x, w)
     assert not moe_module.grouped_mm_supported(x, w.bfloat16())  # mixed dtypes: the op does not autocast
     assert not moe_module.grouped_mm_supported(torch.randn(4, 3), torch.randn(2, 3, 5))  # 12-byte rows
-    assert not moe_module.grouped_mm_supported(torch.randn(4, D + 1)[:, 1:], w)  # unaligned base
+    flat = torch.randn(2 * D * I + 1)
+    assert not moe_module.grouped_mm_supported(x, flat[1:].view(2, D, I))  # a weight inside a flat buffer, unaligned
+    assert moe_module.grouped_mm_supported(torch.randn(4, D + 1)[:, 1:].contiguous(), w)
 
 
 def test_no_host_read_inside_the_forward(monkeypatch):
