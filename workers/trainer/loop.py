@@ -4,8 +4,9 @@ parameters:
 
 - `batches`   a `StepBatches`: this rank's packed micro-batches of a step. `start(step)` begins fetching them
               without blocking, `take(step)` waits for them. The loop starts step s+1 before it trains step s,
-              so the next step's features are fetched while this one computes (Ray: the FeatureService calls are
-              in flight; single process: a one-deep background thread runs the target).
+              so the next step's features are fetched while this one computes: both sources hand the step to a
+              one-deep background thread (workers/trainer/prefetch.py) that fetches (Ray) or encodes (single
+              process), packs, copies to the device and decodes.
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
               `load_checkpoint`): a DeepSpeed engine, or workers/trainer/engines.TorchEngine.
 - `checkpointer` a workers/trainer/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
