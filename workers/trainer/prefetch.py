@@ -23,7 +23,9 @@ class OneStepAhead:
     """A one-deep prefetch of `make(step)` on a background thread (start, take, close as loop.StepBatches)."""
 
     def __init__(self, make: Callable[[int], list[MicroBatch]], device: torch.device, name: str = "prefetch") -> None:
-        initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        # a new thread starts on CUDA device 0: give it the trainer's (an index-less "cuda" means the current one)
+        initializer = ((lambda: torch.cuda.set_device(device.index))
+                       if device.type == "cuda" and device.index is not None else None)
         self._make = make
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer)
         self._pending: dict[int, Future] = {}
