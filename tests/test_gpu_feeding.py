@@ -368,6 +368,22 @@ def test_next_step_is_made_while_this_one_computes():
     assert all(name.startswith("prefetch") for kind, _, _, name in events if kind == "fetch begins")
 
 
+@pytest.mark.parametrize("device, expected", [("cuda:1", [1]), ("cuda", []), ("cpu", [])])
+def test_the_prefetch_thread_works_on_the_trainers_device(monkeypatch, device, expected):
+    """A new thread starts on CUDA device 0: the prefetch thread is put on the trainer's before it copies anything."""
+    from workers.trainer.prefetch import OneStepAhead
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((d, threading.current_thread().name)))
+    ahead = OneStepAhead(lambda step: [step], torch.device(device))
+    try:
+        ahead.start(0)
+        assert ahead.take(0) == [0]
+    finally:
+        ahead.close()
+    assert [d for d, _ in calls] == expected and all(name.startswith("prefetch") for _, name in calls)
+
+
 def test_feature_service_fetch_and_pack_run_on_the_prefetch_thread(monkeypatch):
     """FeatureServiceBatches: the object fetch (ray.wait with fetch_local, then ray.get) and the packing run on the
     background thread, started by `start`, before `take` is called."""
