@@ -430,11 +430,9 @@ def test_feature_service_fetch_and_pack_run_on_the_prefetch_thread(monkeypatch):
 
 
 @pytest.mark.slow  # starts a local Ray instance: about 20 s on 2 cores
-def test_ray_get_maps_the_features_from_the_object_store():
+def test_ray_get_maps_the_features_from_the_object_store(local_ray):
     """Through a real Ray object store the trainer's feature tensors are views of its shared memory (the
     FeatureBatch pickles as numpy, out of band), not a copy out of the pickle on the heap."""
-    import ray
-
     def mapping(ptr: int) -> str:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -443,11 +441,7 @@ def test_ray_get_maps_the_features_from_the_object_store():
                     return (line.split()[5:] or ["anon"])[0]
         return "?"
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2 ** 20)
-    try:
-        wire = _wire([30000, 20000], 0, ctx_is_final=True)  # 3.2 MB of features: a plasma object, not inlined
-        out = ray.get(ray.put(wire))
-        assert torch.equal(out.final_hidden_TD, wire.final_hidden_TD)
-        assert "plasma" in mapping(out.final_hidden_TD.data_ptr()), mapping(out.final_hidden_TD.data_ptr())
-    finally:
-        ray.shutdown()
+    wire = _wire([30000, 20000], 0, ctx_is_final=True)  # 3.2 MB of features: a plasma object, not inlined
+    out = local_ray.get(local_ray.put(wire))
+    assert torch.equal(out.final_hidden_TD, wire.final_hidden_TD)
+    assert "plasma" in mapping(out.final_hidden_TD.data_ptr()), mapping(out.final_hidden_TD.data_ptr())
