@@ -78,14 +78,25 @@ class BlockBatch:
     def block_size(self) -> int:
         return self.valid_NK.shape[1]
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> BlockBatch:
-        """Move to a device; `dtype` converts the float feature tensors (ids and indices keep theirs)."""
-        moved = {}
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None,
+           non_blocking: bool = False) -> BlockBatch:
+        """Move to a device; `dtype` converts the float feature tensors (ids and indices keep theirs). A tensor held
+        in two fields (the context that is the final state) crosses once and stays one tensor. With
+        `non_blocking` onto CUDA the host tensors are pinned first, so the copies are asynchronous DMA (a copy
+        from pageable memory blocks the host) and the caller must not write the host tensors afterwards."""
+        device = torch.device(device)
+        pin = non_blocking and device.type == "cuda"
+        moved: dict[str, torch.Tensor] = {}
+        done: dict[int, torch.Tensor] = {}
         for f in fields(self):
             t = getattr(self, f.name)
             if not isinstance(t, torch.Tensor):
                 continue
-            moved[f.name] = t.to(device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
+            if id(t) not in done:
+                src = t.pin_memory() if pin and t.device.type == "cpu" and not t.is_pinned() else t
+                done[id(t)] = src.to(device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None,
+                                     non_blocking=non_blocking)
+            moved[f.name] = done[id(t)]
         return replace(self, **moved)
 
     def host_index(self) -> BlockHost:

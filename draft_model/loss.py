@@ -318,10 +318,13 @@ def _check_inputs(hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK
         R = head_factor_NKR.shape[2]
         if head_w2_RV.shape != (R, V):
             raise ValueError(f"head_w2_RV must be [R, V] = [{R}, {V}], got shape {tuple(head_w2_RV.shape)}")
-    # both value checks in one device->host read
     gap = (valid_NK[:, 1:] & ~valid_NK[:, :-1]).any()
     out_of_range = (valid_NK & ((labels_NK < 0) | (labels_NK >= V))).any()
-    gap, out_of_range = torch.stack([gap, out_of_range]).tolist()
+    if valid_NK.device.type != "cpu":  # on an accelerator a device-side assert: no host read per micro-batch
+        torch._assert_async(~(gap | out_of_range), "dspark_loss: valid_NK must be a contiguous prefix per block "
+                            f"and the labels on valid slots must lie in [0, {V})")
+        return
+    gap, out_of_range = torch.stack([gap, out_of_range]).tolist()  # both value checks in one host read
     if gap:
         raise ValueError("valid_NK must be a contiguous prefix per block (a valid slot after an invalid one)")
     if out_of_range:
@@ -333,14 +336,18 @@ def _check_inputs(hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK
 def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, target_hidden_NKD: Tensor,
                 valid_NK: Tensor, cfg: LossConfig, conf_logit_NK: Tensor | None = None,
                 head_factor_NKR: Tensor | None = None, head_w2_RV: Tensor | None = None,
-                aux_loss: Tensor | None = None, naive: bool = False) -> LossParts:
-    """Weighted CE + L1 + confidence sums over the valid slots (see the module docstring)."""
+                aux_loss: Tensor | None = None, naive: bool = False, num_valid: int | None = None) -> LossParts:
+    """Weighted CE + L1 + confidence sums over the valid slots (see the module docstring). `num_valid`, the
+    number of valid slots when the caller knows it on the host (the packer's BlockHost), spares the device the
+    host sync of finding that shape."""
     _check_inputs(hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK, conf_logit_NK,
                   head_factor_NKR, head_w2_RV)
     cfg.validate()
     lm_head_VD = lm_head_VD.detach()  # the target's frozen head: never trained, on either path
     w_NK = position_weights(valid_NK, cfg.decay_lambda, dtype=_acc_dtype(hidden_NKD.dtype))
-    idx_M = valid_NK.reshape(-1).nonzero().squeeze(1)  # the one data-dependent shape (one sync on a GPU)
+    # the one data-dependent shape: found on the device (a host sync on a GPU) unless the caller gives its size
+    flat_valid = valid_NK.reshape(-1)
+    idx_M = (flat_valid.nonzero() if num_valid is None else torch.nonzero_static(flat_valid, size=num_valid)).squeeze(1)
 
     def rows_of(x_NK_: Tensor) -> Tensor:
         return x_NK_.flatten(0, 1).index_select(0, idx_M)
@@ -379,14 +386,14 @@ def dspark_loss(hidden_NKD: Tensor, lm_head_VD: Tensor, labels_NK: Tensor, targe
 
 
 def output_loss(out, lm_head_VD: Tensor, head_w2_RV: Tensor | None, labels_NK: Tensor, target_hidden_NKD: Tensor,
-                valid_NK: Tensor, cfg: LossConfig, naive: bool = False) -> LossParts:
+                valid_NK: Tensor, cfg: LossConfig, naive: bool = False, num_valid: int | None = None) -> LossParts:
     """`dspark_loss` from a DraftOutput-like object (fields hidden_NKD, head_factor_NKR, conf_logit_NK,
     aux_loss; duck-typed so this module does not depend on the model)."""
     factor = getattr(out, "head_factor_NKR", None)
     return dspark_loss(out.hidden_NKD, lm_head_VD, labels_NK, target_hidden_NKD, valid_NK, cfg,
                        conf_logit_NK=getattr(out, "conf_logit_NK", None), head_factor_NKR=factor,
                        head_w2_RV=head_w2_RV if factor is not None else None,
-                       aux_loss=getattr(out, "aux_loss", None), naive=naive)
+                       aux_loss=getattr(out, "aux_loss", None), naive=naive, num_valid=num_valid)
 
 
 def draft_loss(model: torch.nn.Module, batch: BlockBatch, cfg: LossConfig, naive: bool = False) -> LossParts:

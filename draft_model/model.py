@@ -21,7 +21,7 @@ from draft_model.batch import BlockBatch
 from draft_model.config import DraftConfig
 from draft_model.heads import SequentialHead, build_head
 from draft_model.layers import DraftBackbone
-from draft_model.registry import register_draft
+from draft_model.registry import frozen_weights_dtype, register_draft
 
 
 @dataclass
@@ -51,12 +51,12 @@ def register_frozen_target_weights(module: nn.Module, embed_VD: torch.Tensor, lm
     """The target's embedding and LM head as non-persistent buffers `frozen_embed_VD` / `frozen_lm_head_VD`:
     moved with the module, never trained, never saved in its state_dict; one tensor when the target ties them.
 
-    They take the dtype of the draft's new parameters (torch's default dtype), whatever the target runs in: a
-    bf16 target under an fp32 draft must not make the loss mix dtypes; a later `module.to(dtype)` casts them with
-    everything else. Same dtype: no copy, the target's tensors are shared."""
+    They take the dtype of the draft's new parameters (torch's default dtype), whatever the target runs in, or the
+    one `build_draft` was given (draft_model/registry.py): a bf16 target under an fp32 draft must not make the loss
+    mix dtypes. Same dtype: no copy, the target's tensors are shared."""
     tied = lm_head_VD is embed_VD or (lm_head_VD.data_ptr() == embed_VD.data_ptr()
                                       and lm_head_VD.stride() == embed_VD.stride())
-    dtype = torch.get_default_dtype()
+    dtype = frozen_weights_dtype() or torch.get_default_dtype()
     embed = embed_VD.detach().to(dtype)
     module.register_buffer("frozen_embed_VD", embed, persistent=False)
     module.register_buffer("frozen_lm_head_VD", embed if tied else lm_head_VD.detach().to(dtype), persistent=False)

@@ -4,6 +4,7 @@ This module imports no architecture: the model files import it, never the other 
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 
 import torch
@@ -23,8 +24,25 @@ def register_draft(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
     return decorator
 
 
-def build_draft(cfg: DraftConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> nn.Module:
-    """Instantiate `cfg.arch` on the target's frozen embedding [V, D] and LM head [V, D]."""
+def build_draft(cfg: DraftConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                frozen_dtype: torch.dtype | None = None) -> nn.Module:
+    """Instantiate `cfg.arch` on the target's frozen embedding [V, D] and LM head [V, D], stored in `frozen_dtype`
+    (None: torch's default dtype; `frozen_weights_dtype`)."""
     if cfg.arch not in DRAFTS:
         raise ValueError(f"unknown draft.arch {cfg.arch!r}; known architectures: {sorted(DRAFTS)}")
-    return DRAFTS[cfg.arch](cfg, embed_weight, lm_head_weight)
+    token = _FROZEN_DTYPE.set(frozen_dtype)
+    try:
+        return DRAFTS[cfg.arch](cfg, embed_weight, lm_head_weight)
+    finally:
+        _FROZEN_DTYPE.reset(token)
+
+
+_FROZEN_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("frozen_dtype", default=None)
+
+
+def frozen_weights_dtype() -> torch.dtype | None:
+    """The dtype the draft being built stores the target's frozen embedding and LM head in (None: torch's default
+    dtype; draft_model/model.register_frozen_target_weights reads it). The trainers build in their training dtype:
+    DeepSpeed casts the parameters to bf16 but never buffers, so an fp32 default would keep an fp32 copy of both
+    resident (3.95 GiB at v4 shapes) and the loss would cast the head to bf16 on every micro-batch."""
+    return _FROZEN_DTYPE.get()

@@ -2,7 +2,8 @@
 
 Data path: TokenizedSample (data stage) -> target worker -> FeatureBatch (object store) -> packer -> BlockBatch
 (draft_model/batch.py) -> draft -> loss. Hidden states cross a process boundary only inside a FeatureBatch, in its
-`wire_dtype` (bf16 by default), and are turned into compute tensors in exactly one place: `FeatureBatch.decode`.
+`wire_dtype` (bf16 by default), and are turned into compute tensors in exactly one place: `decode_features` (what
+`FeatureBatch.decode` and the trainers' packer run, the trainers on the device, after the host-to-device copy).
 No V-sized tensor (logits) ever travels: the trainer applies the target's LM head to `final_hidden_TD` itself.
 
 Legend: T tokens of the batch's sequences concatenated, S sequences, F = m x D context features, D hidden size.
@@ -10,7 +11,8 @@ Legend: T tokens of the batch's sequences concatenated, S sequences, F = m x D c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -54,19 +56,75 @@ class FeatureBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids_T.shape[0])
 
+    def __reduce__(self):
+        """Pickled as numpy arrays (bf16 as its int16 bits, numpy has no bf16): Ray's pickle protocol 5 keeps numpy
+        buffers out of band, so a trainer's `ray.get` maps them from the object store instead of copying them out
+        of the pickle (torch tensors pickle in band). The one host copy left is the pinning before the
+        host-to-device copy."""
+        arrays = {f.name: _to_wire_array(getattr(self, f.name)) for f in fields(self)
+                  if isinstance(getattr(self, f.name), torch.Tensor)}
+        return _rebuild_feature_batch, (self.batch_index, self.sample_ids, arrays, self.ctx_is_final)
+
     def nbytes(self) -> int:
         """Bytes of tensor payload this message carries."""
         return sum(t.numel() * t.element_size() for t in (self.input_ids_T, self.loss_mask_T, self.seq_start_S1,
                                                           self.ctx_feats_TF, self.final_hidden_TD))
 
     def decode(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> FeatureBatch:
-        """The one place wire features become compute tensors; rejects non-finite features by name."""
-        fin = self.final_hidden_TD.to(device=device, dtype=dtype)
-        ctx = fin if self.ctx_is_final else self.ctx_feats_TF.to(device=device, dtype=dtype)
-        for name, t in (("context features", ctx), ("final hidden states", fin)):
-            if not torch.isfinite(t).all():
-                bad = (~torch.isfinite(t)).any(dim=-1).nonzero().flatten()[:5].tolist()
-                raise ValueError(f"non-finite target {name} in batch {self.batch_index} (token rows {bad}, "
-                                 f"samples {list(self.sample_ids)[:5]}...): the target produced NaN/Inf")
+        """The wire batch as compute tensors on `device` (`decode_features`); rejects non-finite features by name
+        (a host read: the trainers defer theirs to the step's one, workers/trainer/step.py)."""
+        fin = self.final_hidden_TD.to(device)
+        ctx = fin if self.ctx_is_final else self.ctx_feats_TF.to(device)
+        ctx, fin, finite = decode_features(ctx, fin, dtype)
+        if not bool(finite):
+            raise ValueError(nonfinite_message(ctx, fin, self.batch_index, self.sample_ids))
         return FeatureBatch(self.batch_index, self.sample_ids, self.input_ids_T.to(device),
                             self.loss_mask_T.to(device), self.seq_start_S1.to(device), ctx, fin, ctx_is_final=False)
+
+
+def _to_wire_array(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    t = t.detach().cpu().contiguous()
+    bf16 = t.dtype == torch.bfloat16
+    return (t.view(torch.int16) if bf16 else t).numpy(), bf16
+
+
+def _rebuild_feature_batch(batch_index: int, sample_ids: tuple[int, ...], arrays: dict, ctx_is_final: bool
+                           ) -> FeatureBatch:
+    """The FeatureBatch of `__reduce__`: tensors over the unpickled arrays' memory, no copy. Out of Ray's object
+    store that memory is read-only; nothing writes the wire tensors (packing gathers or passes them on, and the
+    decode or the pinning copies them)."""
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, (a, bf16) in arrays.items():
+            t = torch.from_numpy(a)
+            tensors[name] = t.view(torch.bfloat16) if bf16 else t
+    return FeatureBatch(batch_index, sample_ids, ctx_is_final=ctx_is_final, **tensors)
+
+
+def decode_features(ctx_TF: torch.Tensor, final_TD: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one place wire features become compute tensors: (ctx, final) cast to `dtype` where they lie (a context
+    that is the final state itself stays one tensor, cast once), and a 0-d bool tensor on their device, True when
+    every value is finite. Not read here: a caller on an accelerator folds it into a host read it makes anyway.
+
+    The check is one fp32 sum per tensor (no [T, D] mask): a NaN or Inf anywhere makes it non-finite; finite
+    features could only trip it by summing past 3e38."""
+    fin = final_TD.to(dtype)
+    ctx = fin if ctx_TF is final_TD else ctx_TF.to(dtype)
+    total = fin.sum(dtype=torch.float32)
+    if ctx is not fin:
+        total = total + ctx.sum(dtype=torch.float32)
+    return ctx, fin, torch.isfinite(total)
+
+
+def nonfinite_message(ctx_TF: torch.Tensor, final_TD: torch.Tensor, batch_index: int, sample_ids) -> str:
+    """The one-line error for a batch `decode_features` flagged: which features, which token rows (a host read:
+    the error path only)."""
+    for name, t in (("context features", ctx_TF), ("final hidden states", final_TD)):
+        bad = (~torch.isfinite(t)).any(dim=-1).nonzero().flatten()[:5].tolist()
+        if bad:
+            return (f"non-finite target {name} in batch {batch_index} (token rows {bad}, samples "
+                    f"{list(sample_ids)[:5]}...): the target produced NaN/Inf")
+    return (f"target features of batch {batch_index} sum past the fp32 range (samples {list(sample_ids)[:5]}...): "
+            "the target produced values near 3e38")

@@ -1,4 +1,4 @@
-"""Anchor-bounded sequence packing: decoded FeatureBatches -> one dense BlockBatch of draft blocks.
+"""Anchor-bounded sequence packing: FeatureBatches -> one dense BlockBatch of draft blocks.
 
 The draft trains on blocks, not on every position: a block is an anchor position p plus the γ = K predictions
 for the tokens at p+1 .. p+K (draft_model/batch.py). So the packer only has to (1) concatenate the sequences
@@ -154,7 +154,9 @@ def _ranges(start_S: np.ndarray, len_S: np.ndarray) -> np.ndarray:
 
 def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int, seed: int, *,
          full_blocks_first: bool = True) -> tuple[BlockBatch, PackStats]:
-    """Pack the sequences of decoded FeatureBatches into one BlockBatch (plus its PackStats).
+    """Pack the sequences of FeatureBatches, as they came off the wire or decoded, into one BlockBatch (plus its
+    PackStats). The features keep the batches' dtype and device: the trainers pack wire batches on the host and
+    decode after the host-to-device copy (workers/trainer/step.pack_micro_batch).
 
     Sequences are concatenated in the given order; those without an eligible anchor are dropped (tokens too).
     """
@@ -208,16 +210,20 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
                                 block_size)
     assert valid_NK[:, 0].all(), "every sampled anchor must have a valid first prediction"
 
-    # gather features batch by batch so the big tensors are copied once (torch.cat of the selections)
+    # gather features batch by batch: a batch whose rows all survive passes its tensors through untouched (one
+    # batch, every row kept: no feature copy at all); a context that is the final state (a wire batch with
+    # ctx_is_final, or a decoded one aliasing them) stays one tensor, so it is copied and moved to the device once
     ids, ctx, fin = [], [], []
     offset = 0
     for b in batches:
         sel = rows_T[(rows_T >= offset) & (rows_T < offset + b.num_tokens)] - offset
-        if sel.shape[0] == b.num_tokens:  # whole batch kept: no index copy needed before the cat
-            parts = (b.input_ids_T, b.ctx_feats_TF, b.final_hidden_TD)
+        b_ctx = b.final_hidden_TD if b.ctx_is_final else b.ctx_feats_TF
+        if sel.shape[0] == b.num_tokens:
+            parts = (b.input_ids_T, b_ctx, b.final_hidden_TD)
         elif sel.shape[0]:
             idx = torch.from_numpy(sel).to(b.input_ids_T.device)
-            parts = (b.input_ids_T[idx], b.ctx_feats_TF[idx], b.final_hidden_TD[idx])
+            fin_sel = b.final_hidden_TD[idx]
+            parts = (b.input_ids_T[idx], fin_sel if b_ctx is b.final_hidden_TD else b_ctx[idx], fin_sel)
         else:
             parts = None
         if parts is not None:
@@ -226,14 +232,19 @@ def pack(batches: Sequence[FeatureBatch], block_size: int, anchors_per_seq: int,
             fin.append(parts[2])
         offset += b.num_tokens
     device = ids[0].device
+    aliased = all(c is f for c, f in zip(ctx, fin))
 
     def _t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+    def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    final_TD = _cat(fin)
     batch = BlockBatch(
-        input_ids_T=torch.cat(ids).long(),
-        ctx_feats_TF=torch.cat(ctx),
-        final_hidden_TD=torch.cat(fin),
+        input_ids_T=_cat(ids).long(),
+        ctx_feats_TF=final_TD if aliased else _cat(ctx),
+        final_hidden_TD=final_TD,
         seq_start_S1=_t(seq_start_S1),
         block_seq_N=_t(block_seq_N),
         anchor_pos_N=_t(pos_N.astype(np.int64)),

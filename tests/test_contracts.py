@@ -42,3 +42,22 @@ def test_inconsistent_messages_are_rejected():
                      torch.zeros(4, 2), torch.zeros(4, 2))
     with pytest.raises(ValueError, match="equal-length"):
         TokenizedSample(0, np.arange(4), np.ones(3, dtype=bool))
+
+
+def test_feature_batch_pickles_its_tensors_out_of_band():
+    """Under pickle protocol 5 (Ray's) every tensor travels as an out-of-band buffer, and the unpickled batch's
+    tensors are views of those buffers (no copy out of the pickle), bf16 included, values exact."""
+    import pickle
+
+    fb = _fb()
+    buffers = []
+    data = pickle.dumps(fb, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 5 and len(data) < 1000
+    assert sum(memoryview(b).nbytes for b in buffers) == fb.nbytes()
+    out = pickle.loads(data, buffers=buffers)
+    addresses = {np.frombuffer(b, dtype=np.uint8).ctypes.data for b in buffers}
+    for name in ("input_ids_T", "loss_mask_T", "seq_start_S1", "ctx_feats_TF", "final_hidden_TD"):
+        a, b = getattr(out, name), getattr(fb, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a.data_ptr() in addresses, name
+    assert (out.batch_index, out.sample_ids, out.ctx_is_final) == (fb.batch_index, fb.sample_ids, fb.ctx_is_final)

@@ -339,13 +339,6 @@ def test_moe_deferred_bias_update_sees_the_whole_step_not_its_split():
     torch.testing.assert_close(one.router_bias_E, two.router_bias_E, rtol=0, atol=0)
 
 
-def test_moe_load_reducer_sees_local_counts():
-    moe = MoE(D, MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=16)).train()
-    moe.load_reducer = lambda load: load * 3  # stand-in for an all-reduce over three identical replicas
-    moe(torch.randn(10, D))
-    assert float(moe.last_load_E.sum()) == 3 * 10 * 2
-
-
 # ---- RoPE ------------------------------------------------------------------------------------------------------
 
 def test_rope_keeps_fp32_frequencies_for_bf16_inputs():

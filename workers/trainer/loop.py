@@ -4,8 +4,9 @@ parameters:
 
 - `batches`   a `StepBatches`: this rank's packed micro-batches of a step. `start(step)` begins fetching them
               without blocking, `take(step)` waits for them. The loop starts step s+1 before it trains step s,
-              so the next step's features are fetched while this one computes (Ray: the FeatureService calls are
-              in flight; single process: a one-deep background thread runs the target).
+              so the next step's features are fetched while this one computes: both sources hand the step to a
+              one-deep background thread (workers/trainer/prefetch.py) that fetches (Ray) or encodes (single
+              process), packs, copies to the device and decodes.
 - `engine`    DeepSpeed's engine interface (`engine(batch)`, `backward`, `step`, `get_lr`, `save_checkpoint`,
               `load_checkpoint`): a DeepSpeed engine, or workers/trainer/engines.TorchEngine.
 - `checkpointer` a workers/trainer/checkpoint.CheckpointManager; `sink` a pipeline/metrics sink (NullSink off rank 0).
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
@@ -139,8 +139,6 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
                 rank_sums, global_w = optimizer_step(engine, micro, cfg.loss.decay_lambda, world)
             for mb in micro:
                 ledger.record(step + 1, mb.batch_index, rank, world, mb.sample_ids)
-            if micro and micro[0].batch.input_ids_T.is_cuda:
-                torch.cuda.synchronize()  # so that dt is the step's time, not the time to queue its kernels
             # the ranks' votes ride on the metrics' all-reduce, so all of them act after the same step
             notice = poll() if poll is not None else Notice()
             *totals, stop_votes, ckpt_votes, gone_votes = all_reduce_sum(
@@ -148,6 +146,8 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             if gone_votes > 0:  # the run dir is not this driver's any more: no metrics, no checkpoint
                 raise LeaseLost(f"stopping at step {step + 1}, before its checkpoint and metrics: "
                                 f"{notice.gone or 'another trainer rank found its driver gone'}")
+            # dt ends after a host read of the step's results (optimizer_step's sums, this all-reduce): the kernels
+            # are done by then, so it is the step's time with no synchronize of its own
             metrics = step_metrics(totals, global_w, cfg, world, time.time() - t0, t_data, engine.get_lr()[0],
                                    step + 1)
             if rank == 0:

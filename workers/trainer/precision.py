@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from draft_model.precision import AUTO, resolve_matmul_dtype
+from pipeline.config import RunConfig
 from pipeline.resume import kept_choice
 
 
@@ -28,3 +29,11 @@ def loss_matmul_dtype(requested: str, device: torch.device | str, resume_from: P
 def describe(dtype: str, why: str) -> str:
     """The trainer's first log line: `loss matmuls: float32 (auto: CPU without native bf16 matmuls, AVX2)`."""
     return f"loss matmuls: {dtype} ({why})"
+
+
+def frozen_dtype(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype the frozen embedding and LM head are stored in: bf16 when the engine trains in bf16 and the loss
+    multiplies in bf16 (DeepSpeed casts parameters, never buffers: left at the default they would stay an fp32
+    copy that the loss casts every micro-batch); else the default (fp32), which a `loss.matmul_dtype=float32`
+    run keeps for its vocabulary matmuls."""
+    return torch.bfloat16 if cfg.train.precision == "bf16" and cfg.loss.matmul_dtype == "bfloat16" else None

@@ -2,9 +2,10 @@
 
 Rank r of R builds the draft, its DeepSpeed engine (workers/trainer/engines.py) and a `FeatureServiceBatches`
 source, then runs the shared loop (workers/trainer/loop.py): per optimizer step it fetches its `grad_accum` feature
-batches from the FeatureService (batch indices from pipeline/order.py) while the previous step computes, packs them
-into BlockBatches and runs `optimizer_step` (workers/trainer/step.py): one ZeRO step. The LM head is applied here,
-locally, at the block positions only (inside the chunked loss).
+batches from the FeatureService (batch indices from pipeline/order.py) and packs them into BlockBatches on the device
+on a background thread while the previous step computes (workers/trainer/prefetch.py), then runs `optimizer_step`
+(workers/trainer/step.py): one ZeRO step. The LM head is applied here, locally, at the block positions only (inside
+the chunked loss).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from workers.trainer.checkpoint import CheckpointError, CheckpointManager
 from workers.trainer.engines import resumed_engine
 from workers.trainer.loop import MicroBatch, all_gather, barrier, fit
 from workers.trainer.precision import describe as describe_dtype
-from workers.trainer.precision import loss_matmul_dtype
+from workers.trainer.precision import frozen_dtype, loss_matmul_dtype
+from workers.trainer.prefetch import OneStepAhead
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
@@ -45,9 +47,11 @@ from workers.trainer.step import (
 
 class FeatureServiceBatches:
     """This rank's micro-batches from the FeatureService: `start` issues the `get` calls (the service then has
-    the target produce them, within its in-flight bound), `take` resolves the refs and packs.
+    the target produce them, within its in-flight bound) and hands the step to a background thread
+    (workers/trainer/prefetch.py) that pulls the objects, unpickles, packs and moves them to the device while the
+    previous step computes; `take` returns what that thread made.
 
-    A batch whose producing worker died is re-run by Ray on the restarted worker, so `take` just waits (at most
+    A batch whose producing worker died is re-run by Ray on the restarted worker, so the fetch just waits (at most
     `target.batch_timeout_s`, then one clear error instead of a hang). A reference lost with its owner (the
     service restarted), or with a target group that lost a member (workers/frozen_target/group.py: the group restarts
     whole and cannot take its old calls along), is asked for again: the service's `get` is idempotent."""
@@ -60,17 +64,23 @@ class FeatureServiceBatches:
         self.dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         self.device = device
         self._calls: dict[int, list[tuple[int, ray.ObjectRef]]] = {}
+        self._ahead = OneStepAhead(self._make, device, "features")
 
     def start(self, step: int) -> None:
         ga = self.cfg.train.grad_accum
         indices = [batch_index_for(step, m, self.rank, ga, self.world) for m in range(ga)]
         self._calls[step] = [(b, self.service.get.remote(b)) for b in indices]
+        self._ahead.start(step)
 
     def _fetch(self, b: int, call: ray.ObjectRef) -> Any:
         timeout = self.cfg.target.batch_timeout_s
         for attempt in range(self.RETRIES + 1):
             try:
                 (ref,) = ray.get(call, timeout=timeout)
+                # pull the object to this node first (a cross-node transfer), then deserialize it
+                ready, _ = ray.wait([ref], timeout=timeout, fetch_local=True)
+                if not ready:
+                    raise ray.exceptions.GetTimeoutError(f"feature batch {b}")
                 return ray.get(ref, timeout=timeout)
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"feature batch {b} not ready after {timeout:.0f} s (target.batch_timeout_s): "
@@ -83,11 +93,15 @@ class FeatureServiceBatches:
                 call = self.service.get.remote(b)
         raise AssertionError("unreachable")
 
-    def take(self, step: int) -> list[MicroBatch]:
+    def _make(self, step: int) -> list[MicroBatch]:
         return [pack_micro_batch(self._fetch(b, call), b, self.cfg, self.num_samples, self.dtype, self.device)
                 for b, call in self._calls.pop(step)]
 
+    def take(self, step: int) -> list[MicroBatch]:
+        return self._ahead.take(step)
+
     def close(self) -> None:
+        self._ahead.close()
         self._calls.clear()
 
 
@@ -166,11 +180,6 @@ def _train(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
 
-    embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
-    draft = build_draft(cfg.draft, embed_VD, lm_head_VD)
-    setup_moe_balance(draft)
-    if cfg.train.compile:
-        compile_draft(draft)
     fence = loop_config.get("fence")  # workers/lease.Fence: commits only while the driver's lease is current
     ckpts = CheckpointManager(cfg.checkpoint.run_dir, cfg.checkpoint.keep_last,
                               fence=fence.check_commit if fence is not None else None)
@@ -184,6 +193,11 @@ def _train(loop_config: dict[str, Any]) -> None:
     cfg.loss = replace(cfg.loss, matmul_dtype=matmul[0])
     if rank == 0:
         log.info("%s", describe_dtype(*matmul))
+    embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
+    draft = build_draft(cfg.draft, embed_VD, lm_head_VD, frozen_dtype=frozen_dtype(cfg))
+    setup_moe_balance(draft)
+    if cfg.train.compile:
+        compile_draft(draft)
     engine, start_step, ledger, _ = resumed_engine(DraftWithLoss(draft, cfg.loss), cfg, ckpts, resume_from, rank,
                                                    world, log, loop_config["samples_digest"])
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from workers.trainer.engines import TorchEngine
 from workers.trainer.loop import MicroBatch, fit, resume
 from workers.trainer.precision import describe as describe_dtype
 from workers.trainer.precision import loss_matmul_dtype
+from workers.trainer.prefetch import OneStepAhead
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
@@ -47,15 +47,14 @@ from workers.trainer.step import (
 
 
 class LocalBatches:
-    """Micro-batches from an in-process TargetWorker. `start(step)` hands the step to one background thread,
-    so the target encodes step s+1 while step s trains; steps are made one at a time, in order, so the features
-    are the ones a sequential run makes."""
+    """Micro-batches from an in-process TargetWorker. `start(step)` hands the step to one background thread
+    (workers/trainer/prefetch.py), so the target encodes, and the packer packs and moves, step s+1 while step s
+    trains; steps are made one at a time, in order, so the features are the ones a sequential run makes."""
 
     def __init__(self, worker: Any, samples: list, cfg: RunConfig, device: torch.device,
                  cache: str | None = None) -> None:
         self.worker, self.samples, self.cfg, self.device, self.cache = worker, samples, cfg, device, cache
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
-        self._pending: dict[int, Future] = {}
+        self._ahead = OneStepAhead(self._make, device, "encode")
 
     def _make(self, step: int) -> list[MicroBatch]:
         cfg, out = self.cfg, []
@@ -69,14 +68,13 @@ class LocalBatches:
         return out
 
     def start(self, step: int) -> None:
-        self._pending[step] = self._pool.submit(self._make, step)
+        self._ahead.start(step)
 
     def take(self, step: int) -> list[MicroBatch]:
-        return self._pending.pop(step).result()
+        return self._ahead.take(step)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pending.clear()
+        self._ahead.close()
 
 
 def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "auto",

@@ -24,7 +24,7 @@ from draft_model.batch import BlockBatch
 from draft_model.config import LossConfig
 from draft_model.loss import LossParts, expected_tau, output_loss, position_weights
 from pipeline.config import RunConfig
-from pipeline.contracts import FeatureBatch
+from pipeline.contracts import FeatureBatch, decode_features, nonfinite_message
 from pipeline.order import batches_per_epoch
 from pipeline.packing import PackStats, pack
 from workers.trainer.collective import collective_device
@@ -51,7 +51,8 @@ class DraftWithLoss(nn.Module):
         out = self.draft(batch)
         target_hidden_NKD = batch.final_hidden_TD[batch.target_index_NK()]
         parts = output_loss(out, self.draft.lm_head_weight(), self.draft.head_w2(), batch.labels_NK(),
-                            target_hidden_NKD, batch.valid_NK, self.loss_cfg)
+                            target_hidden_NKD, batch.valid_NK, self.loss_cfg,
+                            num_valid=int(batch.host_index().valid_len_N.sum()))  # host copy: no sync
         return tuple(getattr(parts, name) for name in _PART_TENSORS)
 
 
@@ -78,27 +79,29 @@ def compile_draft(draft: nn.Module) -> int:
 
 def setup_moe_balance(draft: nn.Module) -> None:
     """Every trainer's MoE balance bias: updated once per optimizer step from the load of the whole global batch
-    (`optimizer_step` applies it), the same on every data-parallel replica (the load is all-reduced)."""
+    (`optimizer_step` applies it through `apply_moe_balance`), the same on every data-parallel replica."""
     from draft_model.moe import MoE
-
-    def global_load(load_E: torch.Tensor) -> torch.Tensor:
-        load_E = load_E.clone()
-        dist.all_reduce(load_E)
-        return load_E
 
     for m in draft.modules():
         if isinstance(m, MoE):
             m.defer_bias_update()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                m.load_reducer = global_load
 
 
 def apply_moe_balance(module: nn.Module) -> None:
+    """Move every MoE's balance bias from its load over the step, summed over the data-parallel replicas by one
+    all-reduce of all layers' loads together (on their device, so a NCCL group takes it), not one per forward."""
     from draft_model.moe import MoE
 
-    for m in module.modules():
-        if isinstance(m, MoE):
-            m.apply_bias_update()
+    moes = [m for m in module.modules() if isinstance(m, MoE) and m.pending_load_E is not None]
+    if not moes:
+        return
+    loads = [m.pending_load_E for m in moes]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flat = torch.cat(loads)
+        dist.all_reduce(flat)
+        loads = list(flat.split([t.numel() for t in loads]))
+    for m, load_E in zip(moes, loads, strict=True):
+        m.apply_bias_update(load_E)
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
@@ -117,18 +120,26 @@ class MicroBatch(NamedTuple):
     wire_bytes: int  # what its FeatureBatch took on the wire
     batch_index: int = -1  # the global feature batch it was packed from
     sample_ids: tuple[int, ...] = ()  # the samples that FeatureBatch carried (for the sample ledger)
+    features_finite: torch.Tensor | None = None  # 0-d bool on the device (decode_features); read with the step's sums
 
 
 def pack_micro_batch(fb: FeatureBatch, batch_index: int, cfg: RunConfig, num_samples: int, dtype: torch.dtype,
                      device: torch.device) -> MicroBatch:
-    """The feature batch consumed as global batch `batch_index` -> its MicroBatch on `device`. Anchors are a pure
-    function of (seed, epoch, sample id), so they change per epoch but never per rank or trainer kind. (With
-    data.replay_batches, fb is a replayed batch: the epoch is still `batch_index`'s.)"""
+    """The wire feature batch consumed as global batch `batch_index` -> its MicroBatch on `device`. Anchors are a
+    pure function of (seed, epoch, sample id), so they change per epoch but never per rank or trainer kind. (With
+    data.replay_batches, fb is a replayed batch: the epoch is still `batch_index`'s.)
+
+    Packed on the host in the wire dtype (no feature copy when every row is kept), moved with pinned, non-blocking
+    copies (the final state crosses once when it is also the context), then decoded on the device; the finite
+    check's flag rides along unread until `optimizer_step` reads the step's sums."""
     wire_bytes = fb.nbytes()
     epoch = batch_index // batches_per_epoch(num_samples, cfg.data.samples_per_batch)
-    bb, stats = pack([fb.decode(dtype)], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch,
+    bb, stats = pack([fb], cfg.draft.block_size, cfg.data.anchors_per_seq, cfg.data.seed + epoch,
                      full_blocks_first=cfg.data.full_blocks_first)
-    return MicroBatch(bb.to(device), stats, wire_bytes, batch_index, tuple(fb.sample_ids))
+    bb = bb.to(device, non_blocking=True)
+    ctx, fin, finite = decode_features(bb.ctx_feats_TF, bb.final_hidden_TD, dtype)
+    bb = replace(bb, ctx_feats_TF=ctx, final_hidden_TD=fin)
+    return MicroBatch(bb, stats, wire_bytes, batch_index, tuple(fb.sample_ids), finite)
 
 
 def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
@@ -148,8 +159,10 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
     # wall seconds of this rank's phases (forward with the loss, backward with its gradient reduction, the
     # optimizer); host clocks: on a GPU they time what the host waited for, not the kernels
     phases = dict.fromkeys(("t_forward", "t_backward", "t_optimizer"), 0.0)
-    device_sums = None  # ce, tv, conf, aux, tau_sum summed on the device: one transfer per step, not five per micro
-    for (bb, stats, wire_bytes, _, _), n_N in zip(micro, lengths):
+    # ce, tv, conf, aux, tau_sum and the micro-batches with non-finite features, summed on the device: one transfer
+    # per step, not six per micro-batch
+    device_sums = None
+    for (bb, stats, wire_bytes, _, _, finite), n_N in zip(micro, lengths):
         t0 = time.perf_counter()
         parts = as_loss_parts(engine(bb), loss_cfg)
         # only the normalised term is rescaled: the engine's average over world·grad_accum micro-batches then
@@ -166,14 +179,19 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
         phases["t_optimizer"] += t3 - t2
         blocks = int((n_N > 0).sum())
         tau_sum = expected_tau(parts.c_star_NK, bb.valid_NK) * blocks if blocks else parts.ce_sum.new_zeros(())
+        bad = parts.ce_sum.new_zeros(()) if finite is None else (~finite).to(parts.ce_sum.device)
         sums = torch.stack([t.detach().to(torch.float64) for t in (parts.ce_sum, parts.tv_sum, parts.conf_sum,
-                                                                     parts.aux_loss, tau_sum)])
+                                                                     parts.aux_loss, tau_sum, bad)])
         device_sums = sums if device_sums is None else device_sums + sums
         for key, value in (("trained", int(n_N.sum())), ("wire", wire_bytes), ("useful", stats.useful_block_tokens),
                            ("computed", stats.computed_block_tokens), ("blocks", blocks)):
             counts[key] += value
     apply_moe_balance(engine.module)  # once per optimizer step, from the whole global batch's load
-    ce, tv, conf, aux, tau = device_sums.tolist() if device_sums is not None else [0.0] * 5
+    ce, tv, conf, aux, tau, bad = device_sums.tolist() if device_sums is not None else [0.0] * 6
+    if bad:  # before the loss is judged: the features, not the draft, went wrong (nothing is saved after this)
+        mb = next(mb for mb in micro if mb.features_finite is not None and not bool(mb.features_finite))
+        raise ValueError(nonfinite_message(mb.batch.ctx_feats_TF, mb.batch.final_hidden_TD, mb.batch_index,
+                                           mb.sample_ids))
     return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": counts["trained"], "wire": counts["wire"],
             "useful": counts["useful"], "computed": counts["computed"], "tau_sum": tau,
             "blocks": counts["blocks"], **phases}, global_w
