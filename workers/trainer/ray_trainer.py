@@ -36,6 +36,7 @@ from workers.trainer.precision import loss_matmul_dtype
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
+    checkpoint_layers,
     compile_draft,
     pack_micro_batch,
     setup_moe_balance,
@@ -158,6 +159,8 @@ def _train(loop_config: dict[str, Any]) -> None:
     embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
     draft = build_draft(cfg.draft, embed_VD, lm_head_VD)
     setup_moe_balance(draft)
+    if cfg.train.activation_checkpointing:
+        checkpoint_layers(draft)
     if cfg.train.compile:
         compile_draft(draft)
     fence = loop_config.get("fence")  # workers/lease.Fence: commits only while the driver's lease is current
