@@ -163,3 +163,23 @@ def test_flex_block_mask_lists_every_visible_tile_and_skips_others(window, monke
             row = allowed_QKV[n * K + k]
             assert lay.ctx_row_U[row[:U]].tolist() == list(range(starts[s] + lo, starts[s] + p))
             assert row[U:].nonzero().flatten().tolist() == list(range(n * K, n * K + K))
+
+
+def test_compiled_flex_equals_eager_over_changing_shapes(monkeypatch):
+    """What CUDA runs: torch.compile(flex_attention, dynamic=True) with the host-built BlockMask and the mask_mod's
+    index tensors, on two batches of different shapes (forward, on the CPU's compiled flex kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import draft_model.attention as attention
+
+    cfg = dense_cfg(block_size=K, sliding_window=6, attn_impl="flex")
+    model = DraftModel(cfg, *frozen_weights()).eval()
+    width = len(cfg.target_layers) * cfg.hidden_size
+    compiled = torch.compile(flex_attention, dynamic=True)
+    for batch in (make_batch(SEQ_LENS, BLOCKS, K, feat_width=width),
+                  make_batch([15, 7, 11], [(0, 2), (0, 6), (1, 3), (2, 8)], K, feat_width=width, seed=2)):
+        with torch.no_grad():
+            monkeypatch.setattr(attention, "flex_kernel", lambda device: flex_attention)
+            ref = model(batch).hidden_NKD
+            monkeypatch.setattr(attention, "flex_kernel", lambda device: compiled)
+            torch.testing.assert_close(model(batch).hidden_NKD, ref, atol=1e-5, rtol=1e-5)
