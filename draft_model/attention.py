@@ -4,11 +4,17 @@ Queries come from the block's γ slots only; keys/values are [W_K H_ctx_window ;
 every layer re-reads the projected target context. A block sees its own sequence's context strictly before its
 anchor (and within the sliding window), its own slots bidirectionally, and never another block.
 
-Two implementations of the same attention (`draft.attn_impl`), proven equal by tests/test_attention_paths.py:
-- "packed" (default): blocks are grouped (block_layout.py: a sequence per group for full context, a block per
-  group for SWA); each group's context keys are one contiguous range of rows read by all its blocks, so K/V are
-  copied about once per token instead of once per block, and one [R, 1, Q, L] mask built on the host once per
-  forward serves every layer. SDPA over it runs torch's flash kernel on CPU (mask + GQA, forward and backward).
+Implementations of the same attention (`draft.attn_impl`), proven equal by tests/test_attention_paths.py:
+- "packed" (default) picks its kernel by device. On CUDA: one flex-attention call over the flat token axis
+  [context rows | block slots] with a BlockMask built from the packer's index arrays (flex_layout.py): no per-block
+  window copies, KV heads kept grouped; torch-compiled, since eager flex attention would materialise the scores.
+  Elsewhere (torch 2.13's flex attention has no backward on CPU): blocks are grouped (block_layout.py: a sequence
+  per group for full context, a block per group for SWA); each group's context keys are one contiguous range of
+  rows read by all its blocks, so K/V are copied about once per token instead of once per block, and one
+  [R, 1, Q, L] mask built on the host once per forward serves every layer. SDPA over it runs torch's flash
+  kernel on CPU (mask + GQA, forward and backward).
+- "flex": the flex-attention kernel on any device (on a CPU: forward only, eager; the tests compare it there;
+  eager flex computes every score, so its tile lists are checked directly, not through the output).
 - "gather": the reference. Each block gathers its own window densely (BlockBatch.context_window: [N, W] rows),
   N x W key rows per layer: fine for SWA, prohibitive for full context at production lengths.
 
@@ -33,10 +39,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from draft_model.batch import BlockBatch
 from draft_model.block_layout import GroupLayout, group_layout
 from draft_model.config import DraftConfig
+from draft_model.flex_layout import FlexLayout, flex_layout
 from draft_model.rope import RotaryEmbedding, apply_rope, rope_tables
 
 # devices whose SDPA kernel takes a boolean mask and grouped KV heads together (CPU flash attention does)
@@ -50,7 +58,8 @@ class AttnContext:
     ctx_UD: torch.Tensor  # fused target context H_ctx of the U token rows attention reads (gather path: all T)
     rope_ctx: tuple[torch.Tensor, torch.Tensor]  # cos/sin [U, 1, E] at each of those rows' position in its sequence
     rope_slot: tuple[torch.Tensor, torch.Tensor]  # cos/sin [N, K, 1, E] at each block slot's position p + k
-    layout: GroupLayout | None = None  # "packed" path
+    layout: GroupLayout | None = None  # "packed" path, grouped SDPA (off CUDA)
+    flex: FlexLayout | None = None  # "packed" path on CUDA, and "flex"
     index_NW: torch.Tensor | None = None  # "gather" path: flat token row of each context key (0 where invalid)
     mask_N1KL: torch.Tensor | None = None  # "gather" path: bool [N, 1, K, W + K], True = may attend
 
@@ -61,6 +70,12 @@ class AttnContext:
         E = cfg.resolved_head_dim
         pos_T = token_positions_T(batch.seq_start_S1, batch.ctx_feats_TF.shape[0])
         rope_slot = rope_tables(batch.slot_positions_NK(), E, cfg.rope_theta)
+        device = batch.ctx_feats_TF.device
+        if cfg.attn_impl == "flex" or (cfg.attn_impl == "packed" and device.type == "cuda"):
+            flex = flex_layout(batch.host_index(), cfg.sliding_window, cfg.block_size, device)
+            rows_U = flex.ctx_row_U
+            return AttnContext(fuse(batch.ctx_feats_TF.index_select(0, rows_U)),
+                               rope_tables(pos_T.index_select(0, rows_U), E, cfg.rope_theta), rope_slot, flex=flex)
         if cfg.attn_impl == "packed":
             layout = group_layout(batch.host_index(), cfg.sliding_window, cfg.block_size, batch.ctx_feats_TF.device)
             rows_U = layout.ctx_row_U
@@ -124,7 +139,9 @@ class ContextBlockAttention(GQAProjections):
         # context keys at their own absolute positions, computed once per token, then laid out per block/group
         kc_UGE = apply_rope(self.key_heads(ctx.ctx_UD), ctx.rope_ctx)
         vc_UGE = self.v_proj(ctx.ctx_UD).view(U, G, E)
-        if ctx.layout is not None:
+        if ctx.flex is not None:
+            out_NKHE = self._flex(q_NKHE, kb_NKGE, vb_NKGE, kc_UGE, vc_UGE, ctx.flex.block_mask)
+        elif ctx.layout is not None:
             out_NKHE = self._packed(q_NKHE, kb_NKGE, vb_NKGE, kc_UGE, vc_UGE, ctx.layout)
         else:
             k_NLGE = torch.cat([kc_UGE[ctx.index_NW], kb_NKGE], dim=1)
@@ -134,6 +151,16 @@ class ContextBlockAttention(GQAProjections):
                 attn_mask=ctx.mask_N1KL, enable_gqa=H != G)
             out_NKHE = out_NHKE.transpose(1, 2)
         return self.o_proj(out_NKHE.reshape(N, K, H * E))
+
+    def _flex(self, q_NKHE: torch.Tensor, kb_NKGE: torch.Tensor, vb_NKGE: torch.Tensor, kc_UGE: torch.Tensor,
+              vc_UGE: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+        N, K, H, E = q_NKHE.shape
+        G = kb_NKGE.shape[2]
+        q_1HQE = q_NKHE.reshape(1, N * K, H, E).transpose(1, 2)
+        k_1GLE = torch.cat([kc_UGE, kb_NKGE.reshape(N * K, G, E)]).transpose(0, 1)[None]
+        v_1GLE = torch.cat([vc_UGE, vb_NKGE.reshape(N * K, G, E)]).transpose(0, 1)[None]
+        out_1HQE = flex_kernel(q_NKHE.device)(q_1HQE, k_1GLE, v_1GLE, block_mask=block_mask, enable_gqa=H != G)
+        return out_1HQE.transpose(1, 2).reshape(N, K, H, E)
 
     def _packed(self, q_NKHE: torch.Tensor, kb_NKGE: torch.Tensor, vb_NKGE: torch.Tensor, kc_UGE: torch.Tensor,
                 vc_UGE: torch.Tensor, lay: GroupLayout) -> torch.Tensor:
@@ -195,6 +222,21 @@ class StepAttention(GQAProjections):
         W = s_ctx_NGRW.shape[-1]
         out_NGRE = probs[..., :W] @ ctx.v_NGWE + probs[..., W:] @ v_NGSE
         return self.o_proj(out_NGRE.reshape(N, H * E))
+
+
+_compiled_flex: Callable | None = None
+
+
+def flex_kernel(device: torch.device) -> Callable:
+    """flex_attention as it must run on `device`: compiled on CUDA (the fused Triton kernel; uncompiled, flex
+    attention computes the full score matrix), eager elsewhere (CPU forward). Compiled once, dynamic shapes: the
+    token and block counts change every batch."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

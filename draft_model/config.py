@@ -208,7 +208,9 @@ class DraftConfig:
     mhc_streams: int = 4  # n residual streams for mHC
     mhc_sinkhorn_iters: int = 20
     sliding_window: int = 0  # context tokens before the anchor a block may see; 0 = all
-    attn_impl: str = "packed"  # "packed" (grouped context, attention.py) | "gather" (the per-block reference)
+    # "packed" (flex attention on CUDA, grouped SDPA elsewhere: attention.py) | "flex" (flex attention on any device;
+    # no backward on a CPU) | "gather" (the per-block reference)
+    attn_impl: str = "packed"
     head: str = "markov"  # sequential head: "none" | "markov" | "rnn"
     head_rank: int = 256  # r of the low-rank V x V transition (Markov) / bias projection (RNN)
     rnn_state_size: int = 256
@@ -233,7 +235,7 @@ class DraftConfig:
         "head_dim": at_least(0, note="0 = hidden_size // num_heads"),
         "intermediate_size": at_least(0, note="0 = 4 * hidden_size"), "ffn": one_of("dense", "moe"),
         "residual": one_of("plain", "mhc"), "mhc_streams": at_least(1), "mhc_sinkhorn_iters": at_least(1),
-        "sliding_window": at_least(0, note="0 = all"), "attn_impl": one_of("packed", "gather"),
+        "sliding_window": at_least(0, note="0 = all"), "attn_impl": one_of("packed", "flex", "gather"),
         "head": one_of("none", "markov", "rnn"), "head_rank": at_least(1), "rnn_state_size": at_least(1),
         "rope_theta": above(0), "rms_norm_eps": above(0), "mask": one_of("learned", "token"),
         "mask_token_id": at_least(0, also=(-1,), note="chosen at launch"),

@@ -71,10 +71,14 @@ class MHCConnection(nn.Module):
         """-> (pre_Bn, post_Bn, res_Bnn) for each token, fp32.
 
         dyn = RMSNorm(x) @ phi is computed as rsqrt(mean(x^2) + eps) * (x @ (phi * g)), g the norm's weight: the
-        same value (up to rounding), without the normalised [B, n*D] copy of the streams and its backward."""
+        same value (up to rounding), without the normalised [B, n*D] copy of the streams and its backward. The sum
+        of squares is a norm accumulated in fp32 (`vector_norm(dtype=float32)`): its backward saves the bf16
+        streams, which are alive anyway, where `x.float().square()` saved an fp32 copy of them per connection
+        (2.5 GiB each at the v4-flash shape, docs/gpu-memory.md)."""
         n = self.n
         x_BF = x_BnD.flatten(-2)
-        inv_rms_B1 = torch.rsqrt(x_BF.float().square().mean(-1, keepdim=True) + self.norm.eps)
+        norm_B1 = torch.linalg.vector_norm(x_BF, dim=-1, keepdim=True, dtype=torch.float32)
+        inv_rms_B1 = torch.rsqrt(norm_B1.square() / x_BF.shape[-1] + self.norm.eps)
         dyn = F.linear(x_BF, self.dyn_proj.weight * self.norm.weight).float() * inv_rms_B1
         dyn_pre, dyn_post, dyn_res = dyn.split([n, n, n * n], dim=-1)
         pre = torch.sigmoid(self.pre_logit_n + self.alpha_3[0] * dyn_pre)

@@ -24,8 +24,8 @@ summed over every replica (workers/trainer/step.apply_moe_balance does the one a
 load of the whole global batch (DeepSeek-V3 updates it "at the end of each step"). So the update does not depend on
 how that batch is split into ranks x micro-batches, and a resume on another number of trainers continues it
 exactly (workers/trainer/reshard.py). Without the call each training forward updates the bias from its own load.
-The optional balance loss reads the micro-batch's local load. Note that activation recomputation would count a
-forward's load twice.
+The optional balance loss reads the micro-batch's local load. Activation recomputation would count a forward's
+load twice: workers/trainer/step.checkpoint_layers restores the layer's state around the recompute.
 
 Legend: T tokens, D hidden, E routed experts, A top-k choices per token, I expert intermediate size,
 P = T*A (token, choice) pairs.

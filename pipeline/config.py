@@ -130,6 +130,9 @@ class TrainConfig:
     zero_stage: int = 2
     precision: str = "fp32"  # "fp32" | "bf16" (DeepSpeed's bf16 mode; --single-process: bf16 autocast on a GPU)
     compile: bool = False  # torch.compile each draft decoder layer (workers/trainer/step.compile_draft)
+    # keep only each draft decoder layer's inputs for the backward and recompute the rest there
+    # (workers/trainer/step.checkpoint_layers): about one more forward of the backbone per step for its activations
+    activation_checkpointing: bool = False
     seed: int = 0
     log_every: int = 1
     tensorboard: bool = True

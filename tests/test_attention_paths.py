@@ -112,3 +112,74 @@ def test_repeated_kv_heads_equal_native_gqa(monkeypatch):
     torch.testing.assert_close(h_rep, h_ref, atol=1e-6, rtol=1e-6)
     for name in g_ref:
         torch.testing.assert_close(g_rep[name], g_ref[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _hidden(impl: str, make) -> torch.Tensor:
+    torch.manual_seed(0)
+    cfg = make(attn_impl=impl)
+    embed, lm_head = frozen_weights()
+    model = DraftModel(cfg, embed, lm_head).eval()
+    batch = make_batch(SEQ_LENS, BLOCKS, K, feat_width=len(cfg.target_layers) * cfg.hidden_size)
+    with torch.no_grad():
+        return model(batch).hidden_NKD
+
+
+@pytest.mark.parametrize("tile", [128, 6])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_flex_path_equals_gather_reference(shape, tile, monkeypatch):
+    """The CUDA kernel of the packed path (flex attention over [context rows | block slots], flex_layout.py),
+    run eagerly on the CPU: forward only (torch 2.13 has no flex backward on CPU). Tile 6 spreads the batch over
+    many tiles and blocks (K = 4 rows) straddle them, so a tile list that missed a visible key changes the output."""
+    import draft_model.flex_layout as flex_layout
+
+    monkeypatch.setattr(flex_layout, "TILE", tile)
+    torch.testing.assert_close(_hidden("flex", SHAPES[shape]), _hidden("gather", SHAPES[shape]), atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_flex_block_mask_lists_every_visible_tile_and_skips_others(window, monkeypatch):
+    """The host-built tile lists cover every (query, key) pair the mask_mod allows, and leave out tiles where it
+    allows none (that is what saves the work); the mask_mod itself allows exactly the reference's keys."""
+    import draft_model.flex_layout as flex_layout
+
+    monkeypatch.setattr(flex_layout, "TILE", 6)
+    host = make_batch(SEQ_LENS, BLOCKS, K, feat_width=8).host_index()
+    lay = flex_layout.flex_layout(host, window, K, torch.device("cpu"))
+    bm = lay.block_mask
+    Q, KV = bm.seq_lengths
+    q_idx, kv_idx = torch.arange(Q)[:, None], torch.arange(KV)[None, :]
+    allowed_QKV = bm.mask_mod(0, 0, q_idx, kv_idx)
+    tiles = bm.to_dense()[0, 0].bool()  # [Qt, KVt] listed tiles
+    covered_QKV = tiles.repeat_interleave(6, 0).repeat_interleave(6, 1)[:Q, :KV]
+    assert not (allowed_QKV & ~covered_QKV).any()
+    visible_tiles = torch.nn.functional.max_pool2d(allowed_QKV[None].float(), 6, ceil_mode=True)[0].bool()
+    torch.testing.assert_close(tiles, visible_tiles)
+    U = len(lay.ctx_row_U)
+    starts = np.asarray([0] + SEQ_LENS).cumsum()
+    for n, (s, p) in enumerate(BLOCKS):
+        lo = max(0, p - window) if window else 0
+        for k in range(K):
+            row = allowed_QKV[n * K + k]
+            assert lay.ctx_row_U[row[:U]].tolist() == list(range(starts[s] + lo, starts[s] + p))
+            assert row[U:].nonzero().flatten().tolist() == list(range(n * K, n * K + K))
+
+
+def test_compiled_flex_equals_eager_over_changing_shapes(monkeypatch):
+    """What CUDA runs: torch.compile(flex_attention, dynamic=True) with the host-built BlockMask and the mask_mod's
+    index tensors, on two batches of different shapes (forward, on the CPU's compiled flex kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import draft_model.attention as attention
+
+    cfg = dense_cfg(block_size=K, sliding_window=6, attn_impl="flex")
+    model = DraftModel(cfg, *frozen_weights()).eval()
+    width = len(cfg.target_layers) * cfg.hidden_size
+    compiled = torch.compile(flex_attention, dynamic=True)
+    for batch in (make_batch(SEQ_LENS, BLOCKS, K, feat_width=width),
+                  make_batch([15, 7, 11], [(0, 2), (0, 6), (1, 3), (2, 8)], K, feat_width=width, seed=2)):
+        with torch.no_grad():
+            monkeypatch.setattr(attention, "flex_kernel", lambda device: flex_attention)
+            ref = model(batch).hidden_NKD
+            monkeypatch.setattr(attention, "flex_kernel", lambda device: compiled)
+            torch.testing.assert_close(model(batch).hidden_NKD, ref, atol=1e-5, rtol=1e-5)

@@ -5,6 +5,7 @@ Run: python -m pytest tests/test_draft_model.py -q
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -240,6 +241,36 @@ def test_mhc_connection_equals_its_textbook_form():
     params = [x, *conn.parameters()]
     for a, b in zip(torch.autograd.grad((got * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_mhc_bf16_rms_saves_no_fp32_copy_of_the_streams():
+    """In bf16 the mixing's RMS is accumulated in fp32 without an fp32 copy of the [B, n*D] streams kept for the
+    backward (the 4-stream state is the largest thing mHC touches), and its values and gradients match the fp32
+    computation on the same inputs within bf16 rounding."""
+    torch.manual_seed(0)
+    n, B = 4, 64
+    conn32 = MHCConnection(n, D, sinkhorn_iters=20)
+    with torch.no_grad():
+        for p in conn32.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    conn16 = copy.deepcopy(conn32).to(torch.bfloat16)
+    x16 = (torch.randn(B, n, D) * 3).to(torch.bfloat16).requires_grad_(True)
+    x32 = x16.detach().float().requires_grad_(True)
+    saved = []
+
+    def keep(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out16 = conn16.mixing(x16)
+    assert not [s for s in saved if s == (torch.float32, (B, n * D))], saved
+    out32 = conn32.mixing(x32)
+    for a, b in zip(out16, out32):
+        torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
+    g16 = torch.autograd.grad(sum(o.float().sum() for o in out16), x16)[0]
+    g32 = torch.autograd.grad(sum(o.sum() for o in out32), x32)[0]
+    torch.testing.assert_close(g16.float(), g32, atol=2e-2 * g32.abs().max().item(), rtol=5e-2)
 
 
 def test_mhc_with_static_mixing_equals_plain_residual_at_init():

@@ -39,6 +39,7 @@ from workers.trainer.prefetch import OneStepAhead
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
+    checkpoint_layers,
     compile_draft,
     pack_micro_batch,
     setup_moe_balance,
@@ -196,6 +197,8 @@ def _train(loop_config: dict[str, Any]) -> None:
     embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
     draft = build_draft(cfg.draft, embed_VD, lm_head_VD, frozen_dtype=frozen_dtype(cfg))
     setup_moe_balance(draft)
+    if cfg.train.activation_checkpointing:
+        checkpoint_layers(draft)
     if cfg.train.compile:
         compile_draft(draft)
     engine, start_step, ledger, _ = resumed_engine(DraftWithLoss(draft, cfg.loss), cfg, ckpts, resume_from, rank,

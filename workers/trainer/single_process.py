@@ -40,6 +40,7 @@ from workers.trainer.prefetch import OneStepAhead
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import (
     DraftWithLoss,
+    checkpoint_layers,
     compile_draft,
     pack_micro_batch,
     setup_moe_balance,
@@ -120,6 +121,8 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     embed_VD, lm_head_VD = worker.embedding_weights()
     module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
     setup_moe_balance(module.draft)
+    if cfg.train.activation_checkpointing:
+        checkpoint_layers(module.draft)
     if cfg.train.compile:
         compile_draft(module.draft)
     engine = TorchEngine(module, cfg)

@@ -65,15 +65,71 @@ def as_loss_parts(outputs: tuple[torch.Tensor, ...], loss_cfg: LossConfig) -> Lo
                      tv_weight=loss_cfg.tv_weight, conf_weight=loss_cfg.conf_weight)
 
 
+def decoder_layers(draft: nn.Module, key: str) -> nn.ModuleList:
+    """The draft backbone's decoder layers, which `key` (a train.* switch) applies to."""
+    layers = getattr(getattr(draft, "backbone", draft), "layers", None)  # dsv4 holds its stages itself
+    if layers is None:
+        raise ValueError(f"{key}: {type(draft).__name__} has no backbone layers to apply it to")
+    return layers
+
+
 def compile_draft(draft: nn.Module) -> int:
     """torch.compile every decoder layer of the draft backbone in place (dynamic shapes: T and N change every
     batch); returns how many. Applied here, never inside draft_model/. The first steps pay the compile (minutes on
     a small CPU); on a 2-core CPU it measured no faster than eager (docs/design-notes.md), so it is off by default."""
-    layers = getattr(getattr(draft, "backbone", draft), "layers", None)  # dsv4 holds its stages itself
-    if layers is None:
-        raise ValueError(f"train.compile: {type(draft).__name__} has no backbone layers to compile")
+    layers = decoder_layers(draft, "train.compile")
     for layer in layers:
         layer.compile(dynamic=True)
+    return len(layers)
+
+
+def checkpoint_layers(draft: nn.Module) -> int:
+    """Activation checkpointing per decoder layer (train.activation_checkpointing), applied from outside the model
+    as torchtitan's apply_ac does: each layer keeps only its inputs for the backward and runs its forward again
+    there (torch.utils.checkpoint, non-reentrant). Returns how many layers. Apply it before compile_draft.
+
+    A recomputed forward must not change module state twice: the MoE adds each forward's expert load to the
+    step's balance update (moe.py says recomputation would count it twice). So the recompute runs with the layer's
+    buffers and plain tensor attributes saved before and restored after it; the first forward's effects stand.
+    (A collective inside a layer's forward, such as the MoE's load all-reduce, runs again in the recompute, on
+    every rank in the same order.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    def state(layer: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
+        return [(m, {k: v for k, v in vars(m).items() if v is None or isinstance(v, torch.Tensor)},
+                 {k: b.clone() for k, b in m._buffers.items() if b is not None}) for m in layer.modules()]
+
+    def restore(saved: list[tuple[nn.Module, dict[str, Any], dict[str, torch.Tensor]]]) -> None:
+        with torch.no_grad():
+            for m, attrs, bufs in saved:
+                for k, v in attrs.items():
+                    object.__setattr__(m, k, v)
+                for k, b in bufs.items():
+                    m._buffers[k].copy_(b)
+
+    def wrap(layer: nn.Module) -> Any:
+        forward = layer.forward
+
+        def checkpointed(*args: Any) -> Any:
+            calls = []
+
+            def run(*a: Any) -> Any:
+                if not calls:  # the forward itself
+                    calls.append(1)
+                    return forward(*a)
+                saved = state(layer)  # the recompute in the backward
+                try:
+                    return forward(*a)
+                finally:
+                    restore(saved)
+
+            return checkpoint(run, *args, use_reentrant=False)
+
+        return checkpointed
+
+    layers = decoder_layers(draft, "train.activation_checkpointing")
+    for layer in layers:
+        layer.forward = wrap(layer)
     return len(layers)
 
 
