@@ -238,6 +238,8 @@ def trainer_memory(cfg: RunConfig, hidden: int, vocab: int, *, fake: bool = True
     from draft_model.registry import build_draft
     from workers.trainer.step import DraftWithLoss, as_loss_parts, checkpoint_layers, setup_moe_balance
 
+    if cuda_form and cfg.loss.matmul_dtype == "auto":  # what `auto` resolves to on an H100/H200: native bf16
+        cfg = replace(cfg, loss=replace(cfg.loss, matmul_dtype="bfloat16"))
     bb = synthetic_batch(cfg)
     draft_cfg = replace(cfg.draft, vocab_size=vocab, hidden_size=hidden,
                         attn_impl="flex" if cuda_form else cfg.draft.attn_impl)
@@ -342,8 +344,22 @@ def _device_batch(bb: BlockBatch, hidden: int, dtype: torch.dtype, hints: Hints 
     return batch
 
 
+# How the published DeepSeek-V4 checkpoints store their weights (module docstring): FP8 blocks of 128 x 128 with a
+# scale each, routed experts in FP4; workers/frozen_target/sizing.py counts a config so marked in those bytes.
+V4_STORED = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}, "expert_dtype": "fp4"}
+
+
 def v4_model_config(preset: str):
-    """The target's transformers config for a production preset (sources in the module docstring)."""
+    """The target's transformers config for a production preset (sources in the module docstring), marked with the
+    checkpoint's stored precision."""
+    config = _v4_architecture(preset)
+    for key, value in V4_STORED.items():
+        setattr(config, key, value)
+    return config
+
+
+def _v4_architecture(preset: str):
     from transformers import DeepseekV4Config
 
     if preset == "v4-flash":
