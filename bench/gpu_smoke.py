@@ -273,17 +273,17 @@ def build_trainer(shape: Shape, device: torch.device, engine_kind: str, run_dir:
     random frozen embedding and LM head in the target's dtype."""
     from draft_model.registry import build_draft
     from workers.trainer.engines import TorchEngine, deepspeed_engine
-    from workers.trainer.precision import loss_matmul_dtype
+    from workers.trainer.precision import frozen_dtype, loss_matmul_dtype
     from workers.trainer.step import DraftWithLoss, pack_micro_batch, setup_moe_balance
 
     cfg = run_config(shape, device, run_dir)
     matmul, _ = loss_matmul_dtype(cfg.loss.matmul_dtype, device, None)
     cfg.loss = replace(cfg.loss, matmul_dtype=matmul)
-    frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(seed)
-    embed_VD = (torch.randn(shape.vocab, shape.hidden, device=device) * 0.5).to(frozen_dtype)
-    head_VD = (torch.randn(shape.vocab, shape.hidden, device=device) * shape.hidden ** -0.5).to(frozen_dtype)
-    draft = build_draft(cfg.draft, embed_VD, head_VD)
+    embed_VD = torch.randn(shape.vocab, shape.hidden, device=device) * 0.5
+    head_VD = torch.randn(shape.vocab, shape.hidden, device=device) * shape.hidden ** -0.5
+    # stored as the Ray trainer stores them (bf16 when it trains and multiplies in bf16)
+    draft = build_draft(cfg.draft, embed_VD, head_VD, frozen_dtype=frozen_dtype(cfg))
     setup_moe_balance(draft)
     module = DraftWithLoss(draft, cfg.loss).to(device)
     engine = deepspeed_engine(module, cfg) if engine_kind == "deepspeed" else TorchEngine(module, cfg)

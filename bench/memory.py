@@ -7,8 +7,8 @@ Trainer: one rank's draft (bf16 parameters, the frozen embedding and LM head as 
 micro-batch's forward and backward (a synthetic packed batch built with pipeline.packing.pack at the preset's
 samples_per_batch x max_len tokens and anchors_per_seq, the chunked vocabulary loss included) and the ZeRO-2
 optimizer state. The forward and backward run under torch's FakeTensorMode (shapes and dtypes, no memory, no
-compute) inside torch's MemTracker, which records every tensor alive at the peak by kind; a fake process group of
-cluster.num_trainers ranks serves the MoE's load all-reduce, as torchtitan's memory estimator does. What fake tensors
+compute) inside torch's MemTracker, which records every tensor alive at the peak by kind, under a fake process group
+of cluster.num_trainers ranks, as torchtitan's memory estimator does. What fake tensors
 cannot know is supplied by `Hints`: expert routing is assumed balanced (each expert gets P/E rows; the sum, which
 sets what the backward keeps, does not depend on it), the loss's validity checks pass, and the one `nonzero` (the
 valid rows) gets the packed batch's real count. The CUDA kernel of the attention (flex attention, flex_layout.py)
@@ -23,8 +23,11 @@ Optimizer state (not run): ZeRO-2 as DeepSpeed sizes it (`estimate_zero2_model_s
 copy, Adam's two moments and an fp32 gradient partition, 16 bytes per trainable parameter / cluster.num_trainers,
 plus one gradient bucket (reduce_bucket_size, 5e8 elements in bf16, DeepSpeed's default).
 
-Target: `workers.frozen_target.sizing.target_memory(cfg, gpu_gib, model_config)`, when that module exists (printed
-as `na` otherwise). model_config: DeepSeek-V4-Flash = transformers 5.24's DeepseekV4Config defaults (43 layers,
+The features of the rank's other micro-batches of the step and of the prefetched next step are added analytically
+((2 grad_accum - 1) x [T, D] in the training dtype).
+
+Target: `workers.frozen_target.sizing.target_memory(cfg, gpu_gib, model_config)`, the weights counted as the checkpoint
+stores them (V4_STORED). model_config: DeepSeek-V4-Flash = transformers 5.24's DeepseekV4Config defaults (43 layers,
 hidden 4096, 256 experts of 2048, top 6; its public card says 284 B parameters); DeepSeek-V4-Pro = the public
 config.json values as third-party pages quote them (hidden 7168, 61 layers, 128 heads of 512, 1 KV head,
 q_lora_rank 1536, o_lora_rank 1024, 16 output groups, 384 experts of 3072, top 6, 1 shared, 3 hash-routed layers:
@@ -56,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draft_model.batch import BlockBatch  # noqa: E402
+from draft_model.config import FINAL_HIDDEN  # noqa: E402
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.contracts import FeatureBatch  # noqa: E402
 from pipeline.packing import pack  # noqa: E402
@@ -80,10 +84,11 @@ class TrainerMemory:
     tracked_peak: int  # MemTracker's peak of the forward+backward (params + grads + activations at that moment)
     trainable: int  # parameters
     saved: list[tuple[str, int]]  # (shape and dtype, bytes) of every tensor autograd kept, largest first
+    queued: int = 0  # the features of the step's other micro-batches and of the prefetched next step (analytic)
 
     @property
     def peak(self) -> int:
-        return self.tracked_peak + self.optimizer + self.bucket
+        return self.tracked_peak + self.optimizer + self.bucket + self.queued
 
 
 class Hints(TorchDispatchMode):
@@ -241,6 +246,11 @@ def trainer_memory(cfg: RunConfig, hidden: int, vocab: int, *, fake: bool = True
     if cuda_form and cfg.loss.matmul_dtype == "auto":  # what `auto` resolves to on an H100/H200: native bf16
         cfg = replace(cfg, loss=replace(cfg.loss, matmul_dtype="bfloat16"))
     bb = synthetic_batch(cfg)
+    ctx_is_final = list(cfg.draft.target_layers) == [FINAL_HIDDEN]
+    T = bb.input_ids_T.shape[0]
+    # a rank holds its step's grad_accum micro-batches and the prefetched next step's (workers/trainer/prefetch.py):
+    # the run below tracks one; the others' features are [T, D] each (twice when the context is not the final state)
+    queued = (2 * cfg.train.grad_accum - 1) * T * hidden * dtype.itemsize * (1 if ctx_is_final else 2)
     draft_cfg = replace(cfg.draft, vocab_size=vocab, hidden_size=hidden,
                         attn_impl="flex" if cuda_form else cfg.draft.attn_impl)
     valid_rows = int(bb.valid_NK.sum())
@@ -268,7 +278,7 @@ def trainer_memory(cfg: RunConfig, hidden: int, vocab: int, *, fake: bool = True
             tracker = MemTracker()
             tracker.track_external(module)
             with tracker:
-                batch = _device_batch(bb, hidden, dtype, hints)
+                batch = _device_batch(bb, hidden, dtype, hints, ctx_is_final)
                 with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                     parts = as_loss_parts(module(batch), cfg.loss)
                 loss = parts.total(parts.weight_sum) + parts.aux_loss
@@ -287,7 +297,7 @@ def trainer_memory(cfg: RunConfig, hidden: int, vocab: int, *, fake: bool = True
                          optimizer=ZERO_STATE_BYTES * trainable // world,
                          bucket=min(trainable, REDUCE_BUCKET_ELEMS) * dtype.itemsize if world > 1 else 0,
                          tracked_peak=kinds["Total"], trainable=trainable,
-                         saved=sorted(saved.values(), key=lambda x: (-x[1], x[0])))
+                         saved=sorted(saved.values(), key=lambda x: (-x[1], x[0])), queued=queued)
 
 
 class _nullcontext:
@@ -326,18 +336,22 @@ def _build(build_draft, wrapper, draft_cfg, cfg, vocab, hidden, dtype, fake):
     return module
 
 
-def _device_batch(bb: BlockBatch, hidden: int, dtype: torch.dtype, hints: Hints | None) -> BlockBatch:
+def _device_batch(bb: BlockBatch, hidden: int, dtype: torch.dtype, hints: Hints | None,
+                  ctx_is_final: bool) -> BlockBatch:
     """The packed batch as the trainer holds it: [T, D] context features and final hidden states in the training
-    dtype (the preset's v4 draft reads the final layer only), index tensors as packed. Fake: built field by field
-    (BlockBatch's own checks ran when the packer built it; under fake tensors they would read values)."""
+    dtype, one tensor when the draft reads the final layer only (as pack aliases them), index tensors as packed.
+    Fake: built field by field (BlockBatch's own checks ran when the packer built it; under fake tensors they
+    would read values)."""
     T = bb.input_ids_T.shape[0]
+    make = torch.randn if hints is None else torch.empty
+    final_TD = make(T, hidden, dtype=dtype)
+    ctx_TF = final_TD if ctx_is_final else make(T, hidden, dtype=dtype)
     if hints is None:
-        return replace(bb, ctx_feats_TF=torch.randn(T, hidden, dtype=dtype),
-                       final_hidden_TD=torch.randn(T, hidden, dtype=dtype))
+        return replace(bb, ctx_feats_TF=ctx_TF, final_hidden_TD=final_TD)
     values = {f.name: getattr(bb, f.name) for f in fields(bb)}
     values = {k: hints.fake(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-    values["ctx_feats_TF"] = torch.empty(T, hidden, dtype=dtype)
-    values["final_hidden_TD"] = torch.empty(T, hidden, dtype=dtype)
+    values["ctx_feats_TF"] = ctx_TF
+    values["final_hidden_TD"] = final_TD
     batch = object.__new__(BlockBatch)
     for k, v in values.items():
         object.__setattr__(batch, k, v)
@@ -376,11 +390,9 @@ def _v4_architecture(preset: str):
 
 
 def target_fields(cfg: RunConfig, preset: str, gpu_gib: float):
-    """(weights_gib, capture_gib, fits) from workers.frozen_target.sizing, or None while that module is absent."""
-    try:
-        from workers.frozen_target.sizing import target_memory
-    except ImportError:
-        return None
+    """(weights_gib, capture_gib, fits) of one target rank, from workers.frozen_target.sizing."""
+    from workers.frozen_target.sizing import target_memory
+
     tm = target_memory(cfg, gpu_gib, v4_model_config(preset))
     return tm.weights_gib, tm.capture_gib, bool(tm.fits)
 
@@ -397,7 +409,8 @@ def describe(tm: TrainerMemory) -> list[str]:
     out = [f"  trainable parameters {tm.trainable / 1e9:.3f} B; at the forward+backward peak: params+buffers "
            f"{g(tm.params)} GiB, grads {g(tm.grads)} GiB, activations+temporaries {g(tm.activations)} GiB "
            f"(tracked {g(tm.tracked_peak)} GiB); ZeRO optimizer state {g(tm.optimizer)} GiB; reduce bucket "
-           f"{g(tm.bucket)} GiB; peak {g(tm.peak)} GiB", "  largest tensors autograd keeps:"]
+           f"{g(tm.bucket)} GiB; queued feature batches {g(tm.queued)} GiB; peak {g(tm.peak)} GiB",
+           "  largest tensors autograd keeps:"]
     out += [f"    {what}: {g(n)} GiB" for what, n in tm.saved[:8]]
     return out
 
@@ -421,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in describe(tm):
             print(line, flush=True)
         target = target_fields(cfg, preset, gpu_gib)
-        if target is None:
-            print("  target: workers.frozen_target.sizing is not on this branch; fits= covers the trainer only")
-        fits = tm.peak / GIB <= gpu_gib and (target is None or target[2])
+        print(f"  target rank: weights {target[0]:.1f} GiB as stored, capture {target[1]:.1f} GiB at "
+              f"target.max_tokens_per_forward={cfg.target.max_tokens_per_forward}", flush=True)
+        fits = tm.peak / GIB <= gpu_gib and target[2]
         lines.append(memory_line(preset, tm.peak / GIB, target, gpu_gib, fits))
     for line in lines:
         print(line)
