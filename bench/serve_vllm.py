@@ -14,11 +14,11 @@ a block in the bonus-anchor layout (docs/vllm-serving.md). So:
    the first token and its first round drafts from it; our evaluator's first round drafts from the prompt's last
    token. So ours gets the prompt plus the target's greedy first token, and the greedy paths (checked: vLLM's
    tokens equal transformers' greedy continuation) give both the same rounds in the same order.
-3. Faithfulness: F = the share of vLLM's full-γ rounds, walked in order along each prompt, whose accepted count
-   equals ours. Control: the same tensors labelled as an anchor-layout draft (what an exporter that ignored the
-   layout would claim; ours refuses it). vLLM's DFlash schema carries no layout field, so vLLM reads those files
-   exactly as it read the faithful export; our evaluator drafts them in the anchor layout, and F must fall below
-   0.95 (caught).
+3. Faithfulness: F = the share of vLLM's full-γ rounds, walked in order along each prompt, whose drafted block
+   (read from the scheduler's output) and accepted count both equal ours (serve_llamacpp.compare). Control: the
+   same tensors labelled as an anchor-layout draft (what an exporter that ignored the layout would claim; ours
+   refuses it). vLLM's DFlash schema carries no layout field, so vLLM reads those files exactly as it read the
+   faithful export; our evaluator drafts them in the anchor layout, and F must fall below 0.95 (caught).
 
 Needs the vLLM environment (~/.cache/dspark/vllm-0.32.0, docs/vllm-serving.md; --vllm-python names another).
 Last line:
@@ -36,13 +36,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from serve_llamacpp import F_CAUGHT, ours, prompts, rounds_tau, train
+from serve_llamacpp import F_CAUGHT, compare, ours, prompts, rounds_tau, train
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path.home() / ".cache" / "dspark" / "vllm-0.32.0" / "bin" / "python"
 # servable.yaml (SmolLM2 shapes, CPU-sized) as a DFlash draft in the layout vLLM reads
 OVERRIDES = ["draft.preset=dflash", "draft.block_layout=bonus_anchor"]
-Rounds = list[list[tuple[int, int]]]
 
 
 def log(msg: str) -> None:
@@ -51,7 +50,7 @@ def log(msg: str) -> None:
 
 def vllm_rounds(vllm_python: Path, target_dir: Path, draft_dir: Path, prompt_ids: list[list[int]], gamma: int,
                 max_new: int, work: Path) -> tuple[list[dict], dict]:
-    """(per prompt {"tokens", "rounds": [[accepted, drafted], ...]}, vLLM's spec-decode counters) from
+    """(per prompt {"tokens", "rounds": [[accepted, [drafted tokens]], ...]}, vLLM's spec-decode counters) from
     bench/vllm_side_dflash.py in the vLLM environment (its own process, engine core in-process, one OMP thread on
     core 1)."""
     req, res = work / "vllm-request.json", work / "vllm-result.json"
@@ -84,18 +83,6 @@ def greedy_continuations(target_dir: Path, prompt_ids: list[list[int]], max_new:
                                   pad_token_id=eos)[0, len(ids):].tolist()
             out.append(seq)
     return out
-
-
-def rounds_equal(eng: Rounds, mine: list[list[tuple[int, list[int]]]], gamma: int) -> float:
-    """F: the share of vLLM's rounds with a full γ-token draft whose accepted count equals ours, walked in order
-    along each prompt's common greedy path (vLLM drafts fewer than γ only where the budget ends)."""
-    same = total = 0
-    for e, m in zip(eng, mine, strict=True):
-        for (a, drafted), (b, _) in zip(e, m, strict=False):
-            if drafted == gamma:
-                total += 1
-                same += a == b
-    return same / max(1, total)
 
 
 def relabelled(export: Path, out: Path, layout: str) -> Path:
@@ -142,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(items)} prompts, {args.max_new_tokens} new tokens, gamma {gamma}, draft {draft_dir}")
 
     eng, metrics = vllm_rounds(vllm_python, target_dir, draft_dir, prompt_ids, gamma, args.max_new_tokens, work)
-    eng_rounds = [[(a, n) for a, n in pr["rounds"]] for pr in eng]
+    eng_rounds = [[(a, block) for a, block in pr["rounds"]] for pr in eng]
     drafts = sum(len(r) for r in eng_rounds)
     counted = metrics.get("vllm:spec_decode_num_drafts")
     log(f"vLLM: {drafts} rounds recorded, its counter says {counted}; accepted per position "
@@ -155,14 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     # ours from the same first token: prompt + the target's greedy first token, one token less to generate
     shifted = [(ds, text, ids + greedy_i[:1]) for (ds, text, ids), greedy_i in zip(items, greedy, strict=True)]
     mine = ours(export, shifted, 0.0, args.max_new_tokens - 1)
-    tau_e, tau_o, f0 = rounds_tau(eng_rounds), rounds_tau(mine), rounds_equal(eng_rounds, mine, gamma)
+    tau_e, tau_o, f0 = compare(eng_rounds, mine, gamma)
     log(f"T=0: tau vLLM {tau_e:.3f}, ours {tau_o:.3f}, rounds equal {f0:.3f}")
     log(f"  accepted per round, first prompt: vLLM {[a for a, _ in eng_rounds[0]]} ours {[a for a, _ in mine[0]]}")
+    log(f"  first blocks, first prompt: vLLM {[b for _, b in eng_rounds[0][:3]]} ours {[b for _, b in mine[0][:3]]}")
     ctl = {"anchor_layout_label": relabelled(export, work / "control-anchor-layout", "anchor")}
     caught = 0
     for name, d in ctl.items():
         mine_c = ours(d, shifted, 0.0, args.max_new_tokens - 1)
-        f_c = rounds_equal(eng_rounds, mine_c, gamma)
+        f_c = compare(eng_rounds, mine_c, gamma)[2]
         caught += f_c < F_CAUGHT
         log(f"control {name}: tau ours {rounds_tau(mine_c):.3f}, rounds equal to vLLM's {f_c:.3f} -> "
             f"{'caught' if f_c < F_CAUGHT else 'MISSED'}")
