@@ -112,8 +112,8 @@ class DraftModel(FrozenTargetDraft):
         super().__init__(embed_weight_VD, lm_head_weight_VD)
         self.cfg = cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
         # bonus-anchor layout: the backbone runs γ+1 slots and slot 0 (the anchor's own output) is dropped
-        slots = cfg.block_size + (cfg.block_layout == "bonus_anchor")
-        self.backbone = DraftBackbone(replace(cfg, block_size=slots))
+        bonus = cfg.block_layout == "bonus_anchor"
+        self.backbone = DraftBackbone(replace(cfg, block_size=cfg.block_size + 1) if bonus else cfg)
         self.head: SequentialHead | None = build_head(cfg)
         conf_in = cfg.hidden_size + (cfg.head_rank if self.head is not None else 0)
         self.conf_proj = nn.Linear(conf_in, 1) if cfg.confidence else None
