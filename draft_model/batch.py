@@ -106,6 +106,14 @@ class BlockBatch:
                                                           self.valid_NK))
         return self.host
 
+    def with_anchor_slot(self) -> BlockBatch:
+        """The same blocks with one more slot in front, all valid: the γ+1 query slots [anchor, MASK x γ] of the
+        bonus-anchor layout (DraftConfig.block_layout), whose slot 0 predicts nothing and slot k the token at p+k.
+        Anchors, context and labels are unchanged; slot positions run p .. p+γ."""
+        lead_N1 = torch.ones_like(self.valid_NK[:, :1])
+        host = None if self.host is None else replace(self.host, valid_len_N=self.host.valid_len_N + 1)
+        return replace(self, valid_NK=torch.cat([lead_N1, self.valid_NK], dim=1), host=host)
+
     # ---- derived indices (flat positions into the T axis) -------------------------------------------------
 
     def seq_offset_N(self) -> torch.Tensor:

@@ -224,6 +224,11 @@ class DraftConfig:
     #                        embedding row of mask_token_id)
     mask_token_id: int = -1  # mask="token": a target token id the data never holds; -1 = chosen at launch from the
     #                          target's tokenizer and chat template (pipeline/mask_token.py)
+    # which slot predicts what (docs/vllm-serving.md): "anchor" = γ slots [anchor, MASK x γ-1], slot k predicts the
+    # token after anchor + k (DSpark's sample_from_anchor); "bonus_anchor" = γ+1 slots [anchor, MASK x γ], slot 0
+    # predicts nothing and slot k >= 1 the token at anchor + k: the 1+N query block vLLM's DFlash proposer feeds
+    # (vllm/v1/spec_decode/dflash.py). Both predict the same γ tokens from the same context; arch "dspark" only.
+    block_layout: str = "anchor"
     dsv4: DSV4Config = field(default_factory=DSV4Config)  # arch "dsv4" only
 
     RANGES: ClassVar[dict[str, Range]] = {
@@ -239,6 +244,7 @@ class DraftConfig:
         "head": one_of("none", "markov", "rnn"), "head_rank": at_least(1), "rnn_state_size": at_least(1),
         "rope_theta": above(0), "rms_norm_eps": above(0), "mask": one_of("learned", "token"),
         "mask_token_id": at_least(0, also=(-1,), note="chosen at launch"),
+        "block_layout": one_of("anchor", "bonus_anchor"),
     }
 
     @property
@@ -264,6 +270,9 @@ class DraftConfig:
         if self.mask == "token" and self.arch not in ("dspark", "dsv4"):
             raise ValueError(f"draft.mask='token' is the block mask slot of arch 'dspark'; draft.arch={self.arch!r} "
                              "has no mask slots (use draft.mask=learned)")
+        if self.block_layout != "anchor" and self.arch != "dspark":
+            raise ValueError(f"draft.block_layout={self.block_layout!r} is a block layout of arch 'dspark'; "
+                             f"draft.arch={self.arch!r} drafts in its own layout (use draft.block_layout=anchor)")
         self.dsv4.validate()
         if self.arch == "dsv4":
             self._validate_dsv4()

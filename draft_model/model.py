@@ -111,7 +111,9 @@ class DraftModel(FrozenTargetDraft):
     def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor, lm_head_weight_VD: torch.Tensor) -> None:
         super().__init__(embed_weight_VD, lm_head_weight_VD)
         self.cfg = cfg = resolve_cfg(cfg, embed_weight_VD, lm_head_weight_VD)
-        self.backbone = DraftBackbone(cfg)
+        # bonus-anchor layout: the backbone runs γ+1 slots and slot 0 (the anchor's own output) is dropped
+        bonus = cfg.block_layout == "bonus_anchor"
+        self.backbone = DraftBackbone(replace(cfg, block_size=cfg.block_size + 1) if bonus else cfg)
         self.head: SequentialHead | None = build_head(cfg)
         conf_in = cfg.hidden_size + (cfg.head_rank if self.head is not None else 0)
         self.conf_proj = nn.Linear(conf_in, 1) if cfg.confidence else None
@@ -122,7 +124,14 @@ class DraftModel(FrozenTargetDraft):
 
     def backbone_hidden(self, batch: BlockBatch) -> torch.Tensor:
         """[N, K, D] LM-head input of every slot (inference: the heads then run left to right)."""
-        return self.backbone(batch, self.frozen_embed_VD)[0]
+        return self.run_backbone(batch)[0]
+
+    def run_backbone(self, batch: BlockBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden_NKD of the γ predicting slots, MoE aux loss), in either block layout."""
+        if self.cfg.block_layout == "anchor":
+            return self.backbone(batch, self.frozen_embed_VD)
+        hidden_NKD, aux = self.backbone(batch.with_anchor_slot(), self.frozen_embed_VD)
+        return hidden_NKD[:, 1:], aux
 
     def confidence_logit(self, hidden_D: torch.Tensor, prev_embed_R: torch.Tensor | None) -> torch.Tensor:
         """c_k logit from [h_k; W1[x_{k-1}]] (just h_k without a sequential head); any leading shape."""
@@ -133,7 +142,7 @@ class DraftModel(FrozenTargetDraft):
 
     def forward(self, batch: BlockBatch) -> DraftOutput:
         """Training forward; the heads are teacher-forced with the batch's true previous tokens."""
-        hidden_NKD, aux = self.backbone(batch, self.frozen_embed_VD)
+        hidden_NKD, aux = self.run_backbone(batch)
         factor_NKR = prev_embed_NKR = None
         if self.head is not None:
             factor_NKR, prev_embed_NKR = self.head.teacher_forced(hidden_NKD, batch.prev_tokens_NK())

@@ -2,13 +2,17 @@
 
     python launch/export_draft.py runs/tiny --format deepspec --out runs/tiny/export-deepspec
     python launch/export_draft.py runs/tiny/export --format speculators --out DIR [--target smollm2]
+    python launch/export_draft.py runs/dflash --format dflash --out DIR   # draft.block_layout=bonus_anchor
     python launch/export_draft.py runs/tiny --format deepspec --draft-vocab 4096 --vocab-data DATA_DIR --out DIR
     python launch/export_draft.py runs/v4-deepseek --format gguf-dsv4 --target-gguf TARGET.gguf --out draft.gguf
     python launch/export_draft.py runs/v4-deepseek --format deepseek-v4 --out DIR [--into DEEPSEEK_V4_CHECKPOINT]
 
 EXPORT_OR_RUN_DIR is an exported draft (config.json + model.safetensors, what every run writes to <run>/export)
 or a run directory. --format deepspec: the flat Qwen3DSparkModel schema (vLLM, SGLang, TensorRT-LLM, and
-llama.cpp's convert_hf_to_gguf.py); speculators: vLLM's speculators schema. The target (its config.json: depth,
+llama.cpp's convert_hf_to_gguf.py); speculators: vLLM's speculators schema; dflash: vLLM's DFlash schema
+(`DFlashDraftModel`, method "dflash", the one block-parallel method vLLM's CPU runner serves), which reads every block
+in the bonus-anchor layout: a draft trained in another layout is refused, naming vllm/v1/spec_decode/dflash.py
+(docs/vllm-serving.md). The target (its config.json: depth,
 context length, name) defaults to the one the draft was trained on. A draft no engine can serve (MoE, mHC, no q/k
 norm, a learned mask, the final post-norm state as context, ...) is refused with exit status 2 and one line saying
 why and which preset can be served; so is a missing export or target. --draft-vocab N (deepspec): the draft

@@ -1,17 +1,20 @@
 """A trained draft in the formats serving engines load: plain JSON + safetensors, no engine imported.
 
-Two formats, the same tensors under the engines' names (docs/serving-export.md):
+Three formats, the same tensors under the engines' names (docs/serving-export.md, docs/vllm-serving.md):
 - "deepspec": the flat Qwen3 DSpark schema of DeepSpec's and z-lab's drafts (`Qwen3DSparkModel`), read by vLLM's
   and SGLang's DSpark loaders and by llama.cpp's converter (`convert_hf_to_gguf.py`, class DSparkModel).
   `target_layer_ids` count decoder-layer outputs (our hidden-state index − 1).
 - "speculators": vLLM's speculators schema (`speculators_model_type: dspark`, a Qwen3 `transformer_layer_config`,
   `aux_hidden_state_layer_ids` = our hidden-state indices).
+- "dflash": the DFlash schema (`DFlashDraftModel`, `dflash_config`) vLLM serves with method "dflash", the one
+  block-parallel method its V1 (CPU) runner runs. Its reader has one block layout, bonus-anchor: a draft trained in
+  another is refused (LAYOUT_READERS). No sequential head; the confidence head is not shipped.
 
-Both carry what the common serving mistakes get wrong: the block layout (`sample_from_anchor: true`: slot k
-predicts the token after anchor + k), in-block bidirectional attention (`is_causal: false`,
-`sliding_window_non_causal: true`), an explicit RoPE theta, the mask token id. Beside them,
-`sts_calibration.json`: the STS temperatures in the form SGLang (`--speculative-dspark-confidence-sts-path`) and
-TensorRT-LLM (`confidence_calibration_path`) read.
+All carry what the common serving mistakes get wrong: the block layout (`sample_from_anchor` and
+`dspark_bonus_anchor` from draft.block_layout; anchor: slot k predicts the token after anchor + k), in-block
+bidirectional attention (`is_causal: false`, `sliding_window_non_causal: true`), an explicit RoPE theta, the mask
+token id. Beside them, `sts_calibration.json`: the STS temperatures in the form SGLang
+(`--speculative-dspark-confidence-sts-path`) and TensorRT-LLM (`confidence_calibration_path`) read.
 
 What no engine can serve is refused with the reason and the preset that can (`NotServable`): MoE FFN and mHC
 (only DeepSeek-V4's own drafter block exists in engines), a draft without per-head q/k norm or with a learned
@@ -32,7 +35,11 @@ import torch
 from draft_model.config import FINAL_HIDDEN, DraftConfig
 from pipeline.export import read_export, write_export_dir
 
-FORMATS = ("deepspec", "speculators")
+FORMATS = ("deepspec", "speculators", "dflash")
+# the reader of each layout-sensitive format, and the layout it reads (docs/vllm-serving.md): vLLM's V1 DFlash
+# proposer feeds the 1+γ query block [bonus, MASK x γ] and samples the mask slots, with no sample_from_anchor switch
+# (V2's DFlash speculator refuses sample_from_anchor=True, vllm/v1/worker/gpu/spec_decode/dflash/speculator.py)
+LAYOUT_READERS = {"dflash": ("bonus_anchor", "vllm/v1/spec_decode/dflash.py")}
 DEEPSEEK_V4 = "deepseek-v4"  # arch dsv4's checkpoint layout (serving/deepseek_checkpoint.py)
 STS_FILE = "sts_calibration.json"
 SERVABLE_PRESETS = "dspark-markov (Markov head + confidence) or dflash (no sequential head)"
@@ -72,6 +79,14 @@ def check_servable(cfg: DraftConfig, fmt: str, drop_confidence: bool = False) ->
     elif fmt == "deepspec" and cfg.confidence and cfg.head == "none" and not drop_confidence:
         why = ("draft.confidence=true with draft.head=none: llama.cpp loads a confidence head only beside a Markov "
                "head; pass --drop-confidence to export without it, or use draft.head=markov")
+    elif fmt in LAYOUT_READERS and cfg.block_layout != LAYOUT_READERS[fmt][0]:
+        layout, reader = LAYOUT_READERS[fmt]
+        why = (f"draft.block_layout={cfg.block_layout!r}, but {reader} reads every block in the {layout} layout "
+               f"(the anchor slot predicts nothing, slot k the token at anchor + k), one slot off from this draft; "
+               f"retrain with draft.block_layout={layout}")
+    elif fmt == "dflash" and cfg.head != "none":
+        why = (f"draft.head={cfg.head!r}: vLLM's DFlash model has no sequential head; use --format deepspec or "
+               "speculators, or train the dflash preset (draft.head=none)")
     elif cfg.head == "rnn" and cfg.rnn_state_size != cfg.head_rank:
         why = (f"draft.rnn_state_size={cfg.rnn_state_size} != draft.head_rank={cfg.head_rank}: speculators' RNN head "
                "ties its state size to the rank")
@@ -123,7 +138,8 @@ def _qwen3_fields(cfg: DraftConfig, max_positions: int) -> dict[str, Any]:
 
 def _dspark_fields(cfg: DraftConfig, drop_confidence: bool) -> dict[str, Any]:
     confidence = cfg.confidence and not drop_confidence
-    return {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "sample_from_anchor": True,
+    return {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+            "sample_from_anchor": cfg.block_layout == "anchor",
             "markov_rank": cfg.head_rank if cfg.head != "none" else 0,
             "markov_head_type": "rnn" if cfg.head == "rnn" else "vanilla",
             "enable_confidence_head": confidence, "confidence_head_with_markov": confidence and cfg.head != "none"}
@@ -136,12 +152,19 @@ def engine_config(cfg: DraftConfig, fmt: str, target: dict[str, Any], drop_confi
     (serving/draft_vocab.py; deepspec only)."""
     max_positions = int(target.get("max_position_embeddings") or 8192)
     dspark = _dspark_fields(cfg, drop_confidence)
+    layer_ids = [i - 1 for i in cfg.target_layers]  # decoder-layer outputs: hidden state i = output of i - 1
+    if fmt == "dflash":  # z-lab's / vLLM's DFlash: block_size counts the bonus slot, num_speculative_tokens = γ
+        return {"architectures": ["DFlashDraftModel"], **_qwen3_fields(cfg, max_positions),
+                "block_size": cfg.block_size + 1, "num_target_layers": int(target["num_hidden_layers"]),
+                "target_layer_ids": layer_ids, "torch_dtype": "float32",
+                "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": cfg.mask_token_id,
+                                  "causal": False}}
     if fmt == "deepspec":
-        layer_ids = [i - 1 for i in cfg.target_layers]  # decoder-layer outputs: hidden state i = output of i - 1
         if draft_vocab_size:
             dspark["draft_vocab_size"] = draft_vocab_size
         return {"architectures": ["Qwen3DSparkModel"], **_qwen3_fields(cfg, max_positions), **dspark,
-                "is_causal": False, "dspark_bonus_anchor": False, "target_layer_ids": layer_ids,
+                "is_causal": False, "dspark_bonus_anchor": cfg.block_layout == "bonus_anchor",
+                "target_layer_ids": layer_ids,
                 "num_target_layers": int(target["num_hidden_layers"]), "torch_dtype": "float32",
                 "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": cfg.mask_token_id,
                                   "block_size": cfg.block_size}}
@@ -178,6 +201,7 @@ def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, t
 
     cfg, state, _ = read_export(export_dir)
     check_servable(cfg, fmt, drop_confidence)
+    drop_confidence = drop_confidence or fmt == "dflash"  # vLLM's DFlash model has no confidence head
     if cfg.mask_token_id < 0 or not cfg.vocab_size:
         raise NotServable(f"{export_dir}: the draft config was never resolved against a target (mask_token_id "
                           f"{cfg.mask_token_id}, vocab_size {cfg.vocab_size})")

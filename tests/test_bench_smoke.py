@@ -22,12 +22,17 @@ from launch_helpers import REPO, TINY_MOE, quiet_env
 
 BENCH = REPO / "bench"
 # modules the scripts share, not measurements: they have no figure line
-HELPERS = {"launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sweep_summary"}
-# benches this suite does not run, with the reason (none today: every bench runs on the CPU with what CI installs,
-# the SmolLM2 wheel and the evaluation prompt sets of the README's install line included)
+HELPERS = {"launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sweep_summary",
+           "vllm_side_dflash"}  # the vLLM environment's half of serve_vllm
+# benches this suite does not run, with the reason (the others run on the CPU with what CI installs, the SmolLM2
+# wheel and the evaluation prompt sets of the README's install line included)
 EXCLUDED: dict[str, str] = {
     # its --cpu mode runs in the default suite, with every check's verdict asserted, not only the figure line
     "gpu_smoke": "tests/test_gpu_smoke.py",
+    "serve_vllm": "needs the vLLM environment, which CI does not install: tests/test_serve_vllm.py runs its --quick "
+                  "case (-m vllm)",
+    "target_backends": "needs the vLLM environment, which CI does not install; its equality with transformers is "
+                       "tests/test_vllm_target.py's (-m vllm)",
 }
 
 NUM = r"\d+(?:\.\d+)?"
@@ -35,6 +40,10 @@ SCI = r"\d\.\d{2}e[-+]\d+"
 # name -> (arguments, the regex its figure line must match in full, timeout in seconds). {tmp} is a fresh directory.
 # A name is the script's, or script:variant for a second case of one script.
 CASES: dict[str, tuple[list[str], str, int]] = {
+    # the v4-flash estimate under fake tensors (a minute or two): the trainer's and the target rank's memory
+    "memory": (["--preset", "v4-flash"],
+               rf"memory preset=v4-flash trainer_peak_gib={NUM} target_weights_gib={NUM} target_capture_gib={NUM} "
+               rf"gpu_gib=80 fits=(?:yes|no)", 900),
     "packing": (["--anchors", "8", "--seq-per-batch", "4", "--batches-per-pack", "1"],
                 rf"packing_density={NUM} padded={NUM} ratio={NUM}", 300),
     "loss_memory": (["--anchors", "8", "--vocab", "512", "--hidden", "64", "--rank", "8", "--probe-anchors", "4"],

@@ -368,3 +368,39 @@ def test_end_of_run_writes_every_servable_format_and_says_why_not(tmp_path, capl
         written = export_servable(_export(tmp_path, _draft("v4", num_layers=1), "v4"), tmp_path / "run-v4",
                                   target_dir, "smollm2", log)
     assert written == {} and "no deepspec export: draft.ffn='moe'" in caplog.text
+
+
+# ---- the bonus-anchor layout and vLLM's DFlash reader (docs/vllm-serving.md) ----------------------------------
+
+def test_dflash_format_refuses_the_anchor_layout_naming_vllms_file(tmp_path):
+    """vLLM's DFlash proposer reads a block in the bonus-anchor layout only: an anchor-layout draft would be read
+    one slot off (τ ~1), so the exporter refuses it, one line, naming the reader; the CLI exits 2."""
+    cfg = tiny(draft_preset("dflash"), target_layers=[2, 15, 27])
+    with pytest.raises(NotServable, match="cannot export this draft as dflash") as e:
+        check_servable(cfg, "dflash")
+    msg = str(e.value)
+    assert "vllm/v1/spec_decode/dflash.py" in msg and "draft.block_layout=bonus_anchor" in msg and "\n" not in msg
+    src = _export(tmp_path, _draft("dflash"))
+    res = _cli(str(src), "--format", "dflash", "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "vllm/v1/spec_decode/dflash.py" in res.stderr and not (tmp_path / "x").exists()
+    with pytest.raises(NotServable, match="no sequential head"):  # the right layout, but a Markov head
+        check_servable(replace(cfg, head="markov", block_layout="bonus_anchor"), "dflash")
+
+
+def test_a_bonus_anchor_draft_exports_as_vllms_dflash_and_flags_its_layout_in_deepspec(tmp_path):
+    model = _draft("dflash", block_layout="bonus_anchor")
+    gamma = model.cfg.block_size
+    out = write_engine_export(_export(tmp_path, model), "dflash", tmp_path / "dflash", TARGET)
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["DFlashDraftModel"] and c["block_size"] == gamma + 1  # the bonus slot + γ masks
+    assert c["dflash_config"] == {"target_layer_ids": [1, 14, 26], "mask_token_id": MASK_ID, "causal": False}
+    assert "sample_from_anchor" not in c and "sample_from_anchor" not in c["dflash_config"]
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "fc.weight" in names and not any(n.startswith(("confidence_head", "markov_head")) for n in names)
+    ds = engine_config(model.cfg, "deepspec", TARGET, drop_confidence=True)
+    assert ds["sample_from_anchor"] is False and ds["dspark_bonus_anchor"] is True
+    anchor = engine_config(_draft("dflash").cfg, "deepspec", TARGET, drop_confidence=True)
+    assert anchor["sample_from_anchor"] is True and anchor["dspark_bonus_anchor"] is False
