@@ -37,7 +37,7 @@ from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
 from workers.lease import LeaseLost
-from workers.oom import out_of_memory_is_fatal, trainer_step_oom
+from workers.oom import out_of_memory_is_fatal, trainer_fetch_oom, trainer_step_oom
 from workers.preemption import Notice
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
@@ -130,7 +130,9 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             batches.start(start_step)
         for step in range(start_step, t.max_steps):
             t0 = time.time()
-            micro = batches.take(step)
+            # the prefetch thread's device copies and decode raise their OOM here
+            with out_of_memory_is_fatal(trainer_fetch_oom, rank, step + 1, cfg):
+                micro = batches.take(step)
             if step + 1 < t.max_steps:
                 batches.start(step + 1)  # overlaps the next step's fetch with this step's compute
             t_data = time.time() - t0
