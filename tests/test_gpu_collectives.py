@@ -124,7 +124,7 @@ def _cfg() -> RunConfig:
 
 def _sums(engine, micro, decay_lambda, world):
     keys = ("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks", "t_forward",
-            "t_backward", "t_optimizer")
+            "t_backward", "t_optimizer", "bad_features")
     return dict.fromkeys(keys, 0.0), 1.0
 
 

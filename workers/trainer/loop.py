@@ -41,7 +41,7 @@ from workers.oom import out_of_memory_is_fatal, trainer_fetch_oom, trainer_step_
 from workers.preemption import Notice
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
-from workers.trainer.step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
+from workers.trainer.step import MicroBatch, all_reduce_sum, check_features, format_step, optimizer_step, step_metrics
 
 __all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume", "resume_ledger"]
 
@@ -148,6 +148,7 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             if gone_votes > 0:  # the run dir is not this driver's any more: no metrics, no checkpoint
                 raise LeaseLost(f"stopping at step {step + 1}, before its checkpoint and metrics: "
                                 f"{notice.gone or 'another trainer rank found its driver gone'}")
+            check_features(dict(zip(rank_sums, totals))["bad_features"], micro, step + 1)  # on every rank
             # dt ends after a host read of the step's results (optimizer_step's sums, this all-reduce): the kernels
             # are done by then, so it is the step's time with no synchronize of its own
             metrics = step_metrics(totals, global_w, cfg, world, time.time() - t0, t_data, engine.get_lr()[0],
