@@ -73,14 +73,8 @@ def feature_batch(batch_index: int, samples: list[TokenizedSample], raw: dict[st
     lengths = [len(s.input_ids) for s in samples]
     if sum(lengths) != T:
         raise RuntimeError(f"batch {batch_index}: the vLLM engine returned {T} token states for {sum(lengths)} tokens")
-    seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
-    seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return FeatureBatch(
-        batch_index=batch_index, sample_ids=tuple(int(s.sample_id) for s in samples),
-        input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
-        loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
-        seq_start_S1=seq_start_S1, ctx_feats_TF=_from_bytes(raw["ctx"], raw["dtype"], (T, F)),
-        ctx_is_final=ctx_is_final, final_hidden_TD=_from_bytes(raw["final"], raw["dtype"], (T, D)))
+    return FeatureBatch.from_samples(batch_index, samples, _from_bytes(raw["ctx"], raw["dtype"], (T, F)),
+                                     _from_bytes(raw["final"], raw["dtype"], (T, D)), ctx_is_final)
 
 
 @ray.remote(num_cpus=0)
