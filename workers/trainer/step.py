@@ -91,8 +91,8 @@ def checkpoint_layers(draft: nn.Module) -> int:
     A recomputed forward must not change module state twice: the MoE adds each forward's expert load to the
     step's balance update (moe.py says recomputation would count it twice). So the recompute runs with the layer's
     buffers and plain tensor attributes saved before and restored after it; the first forward's effects stand.
-    (A collective inside a layer's forward, such as the MoE's load all-reduce, runs again in the recompute, on
-    every rank in the same order.)"""
+    The draft's own forward holds no collective: the MoE's load all-reduce runs once per step, in
+    apply_moe_balance, after the last backward."""
     from torch.utils.checkpoint import checkpoint
 
     def state(layer: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
