@@ -104,14 +104,16 @@ class MoE(nn.Module):
         # counted by a scatter, not torch.bincount: CUDA's bincount reads the input's max on the host
         counts_E = torch.zeros(E, dtype=torch.int64, device=x_TD.device).index_add_(
             0, expert_P, torch.ones_like(expert_P))
-        if grouped_mm_supported(x_TD, self.w_gate_EDI, self.w_down_EID):
+        if grouped_mm_supported(x_TD, self.w_gate_EDI, self.w_up_EDI, self.w_down_EID):
+            w_gate_EDI, w_up_EDI, w_down_EID = (aligned_operand(w) for w in
+                                                (self.w_gate_EDI, self.w_up_EDI, self.w_down_EID))
             order_P = torch.argsort(expert_P, stable=True)
             token_P = order_P // A  # token row of each sorted pair
             x_PD = x_TD.index_select(0, token_P)  # backward index_add_, faster than x_TD[token_P]'s index_put_
             offs_E = counts_E.cumsum(0).to(torch.int32)  # end of each expert's slice: stays on the device
-            h_PI = swiglu(torch._grouped_mm(x_PD, self.w_gate_EDI, offs=offs_E),
-                          torch._grouped_mm(x_PD, self.w_up_EDI, offs=offs_E), self.cfg.swiglu_limit)
-            y_PD = torch._grouped_mm(h_PI, self.w_down_EID, offs=offs_E)
+            h_PI = swiglu(torch._grouped_mm(x_PD, w_gate_EDI, offs=offs_E),
+                          torch._grouped_mm(x_PD, w_up_EDI, offs=offs_E), self.cfg.swiglu_limit)
+            y_PD = torch._grouped_mm(h_PI, w_down_EID, offs=offs_E)
             w_P = weight_TA.reshape(-1)[order_P].to(y_PD.dtype)
             y_TD = torch.zeros_like(x_TD).index_add(0, token_P, y_PD * w_P[:, None])
         else:
@@ -152,9 +154,9 @@ class MoE(nn.Module):
 
 def grouped_mm_supported(x_TD: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands: the CPU kernel takes any float dtype; CUDA's takes bf16 on
-    Ampere or newer (the rule transformers 5.24 applies, integrations/moe.py). Both need every row stride and
-    the weights' base pointers 16-byte aligned (a parameter inside a flat ZeRO buffer may not be) and one dtype (the
-    op is not autocast-enabled)."""
+    Ampere or newer (the rule transformers 5.24 applies, integrations/moe.py). Both need every row stride 16-byte
+    aligned and one dtype (the op is not autocast-enabled). The weights' base pointers are not checked here:
+    `aligned_operand` copies a misaligned weight rather than giving up the grouped GEMM."""
     if not hasattr(torch, "_grouped_mm") or any(w.dtype != x_TD.dtype for w in weights):
         return False
     if x_TD.device.type == "cuda":
@@ -166,5 +168,15 @@ def grouped_mm_supported(x_TD: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     size = x_TD.element_size()
     # the activations the GEMMs read (the gathered pairs, the SwiGLU output) are fresh allocations: aligned
-    return (all(t.shape[-1] * size % 16 == 0 for t in (x_TD, *weights))
-            and all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 for w in weights))
+    return all(t.shape[-1] * size % 16 == 0 for t in (x_TD, *weights))
+
+
+def aligned_operand(w: torch.Tensor) -> torch.Tensor:
+    """`w` itself when the grouped GEMM can read it in place, else a fresh contiguous copy (the allocator aligns it;
+    gradients flow back through the copy). DeepSpeed ZeRO-1/2 makes every trainable parameter a view into one flat
+    buffer, so an odd-sized parameter before the experts (mHC's 3-element alpha) leaves their base pointer
+    misaligned: one copy of the expert weights per forward costs far less than the dense fallback's E/A times the
+    routed compute."""
+    if w.stride(-1) == 1 and w.data_ptr() % 16 == 0:
+        return w
+    return w.clone(memory_format=torch.contiguous_format)

@@ -12,6 +12,7 @@ Legend: T tokens of the batch's sequences concatenated, S sequences, F = m x D c
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -51,6 +52,22 @@ class FeatureBatch:
             raise ValueError("FeatureBatch: per-token tensors disagree on the token count")
         if len(self.sample_ids) + 1 != self.seq_start_S1.shape[0]:
             raise ValueError("FeatureBatch: seq_start must have one more entry than sample_ids")
+
+    @classmethod
+    def from_samples(cls, batch_index: int, samples: Sequence[TokenizedSample], ctx_TF: torch.Tensor,
+                     final_TD: torch.Tensor, ctx_is_final: bool = False) -> FeatureBatch:
+        """The batch of `samples`, in their order, whose token states `ctx_TF` and `final_TD` are those samples'
+        concatenated in the same order (`ctx_TF` [T, 0] when `ctx_is_final`): the token ids, loss masks and
+        sequence starts come from the samples. The one assembly every target path uses (the transformers worker,
+        the vLLM replica, the feature cache)."""
+        seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
+        seq_start_S1[1:] = torch.cumsum(torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long), 0)
+        return cls(
+            batch_index=batch_index,
+            sample_ids=tuple(int(s.sample_id) for s in samples),
+            input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
+            loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
+            seq_start_S1=seq_start_S1, ctx_feats_TF=ctx_TF, final_hidden_TD=final_TD, ctx_is_final=ctx_is_final)
 
     @property
     def num_tokens(self) -> int:

@@ -61,3 +61,17 @@ def test_feature_batch_pickles_its_tensors_out_of_band():
         assert a.dtype == b.dtype and torch.equal(a, b), name
         assert a.data_ptr() in addresses, name
     assert (out.batch_index, out.sample_ids, out.ctx_is_final) == (fb.batch_index, fb.sample_ids, fb.ctx_is_final)
+
+
+def test_from_samples_concatenates_the_samples_in_order():
+    samples = [TokenizedSample(4, np.array([5, 6, 7], np.int32), np.array([False, True, True])),
+               TokenizedSample(9, np.array([8, 9], np.int32), np.array([True, False]))]
+    fin = torch.randn(5, 4).to(torch.bfloat16)
+    fb = FeatureBatch.from_samples(3, samples, torch.empty(5, 0, dtype=torch.bfloat16), fin, ctx_is_final=True)
+    assert fb.batch_index == 3 and fb.sample_ids == (4, 9) and fb.ctx_is_final
+    assert fb.input_ids_T.dtype == torch.int64 and fb.input_ids_T.tolist() == [5, 6, 7, 8, 9]
+    assert fb.loss_mask_T.tolist() == [False, True, True, True, False]
+    assert fb.seq_start_S1.dtype == torch.int64 and fb.seq_start_S1.tolist() == [0, 3, 5]
+    assert fb.final_hidden_TD is fin
+    with pytest.raises(ValueError, match="token count"):  # states for other tokens than the samples'
+        FeatureBatch.from_samples(3, samples, torch.empty(4, 0), torch.randn(4, 4))

@@ -124,7 +124,7 @@ def _cfg() -> RunConfig:
 
 def _sums(engine, micro, decay_lambda, world):
     keys = ("ce", "tv", "conf", "aux", "trained", "wire", "useful", "computed", "tau_sum", "blocks", "t_forward",
-            "t_backward", "t_optimizer")
+            "t_backward", "t_optimizer", "bad_features")
     return dict.fromkeys(keys, 0.0), 1.0
 
 
@@ -167,3 +167,22 @@ def test_out_of_memory_in_a_step_is_fatal_and_one_line(monkeypatch):
     assert f"data.anchors_per_seq ({cfg.data.anchors_per_seq}" in message and "data.samples_per_batch" in message
     # fatal: recorded once, never handed to Ray Train's restart of the group
     assert isinstance(info.value, FATAL_ERRORS)
+
+
+class _OutOfMemoryInPrefetch(_OneStep):
+    def take(self, step: int) -> list:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+
+def test_out_of_memory_in_the_prefetch_is_fatal_and_one_line():
+    """The prefetch thread copies and decodes on the device: its OOM, raised by `take`, is as fatal as the step's."""
+    from workers.trainer.ray_trainer import FATAL_ERRORS
+
+    cfg = _cfg()
+    with pytest.raises(OutOfMemory) as info:
+        loop.fit(_StubEngine(), _OutOfMemoryInPrefetch(), None, NullSink(), cfg, 1, 2, 0, logging.getLogger("t"))
+    message = str(info.value)
+    assert "\n" not in message and info.value.__cause__ is None and isinstance(info.value, FATAL_ERRORS)
+    assert message.startswith("trainer rank 1 ran out of GPU memory fetching step 1's micro-batches")
+    assert "Tried to allocate 2.00 GiB" in message
+    assert f"data.anchors_per_seq ({cfg.data.anchors_per_seq}" in message and "data.samples_per_batch" in message

@@ -30,7 +30,7 @@ from draft_model.presets import draft_preset
 from draft_model.registry import build_draft
 from pipeline.config import RunConfig
 from pipeline.contracts import FeatureBatch
-from workers.trainer.step import DraftWithLoss, MicroBatch, optimizer_step, pack_micro_batch
+from workers.trainer.step import DraftWithLoss, MicroBatch, check_features, optimizer_step, pack_micro_batch
 
 # ---- a stand-in for the host-to-device copies ------------------------------------------------------------------
 
@@ -244,12 +244,57 @@ def test_loss_with_the_host_count_equals_the_nonzero_path():
 
 
 def test_non_finite_features_are_caught_at_the_step_read():
-    """Packing a batch with a NaN does not read the host; the step's one read finds it and names the batch and rows."""
+    """Packing a batch with a NaN does not read the host; the step's one read counts it and `check_features` names
+    the batch and rows."""
     module = _moe_module()
     micro = _micro(module, nan_row=7)
     assert bool(micro[0].features_finite) and not bool(micro[1].features_finite)
+    sums, _ = optimizer_step(_Engine(module), micro, module.loss_cfg.decay_lambda, world=1)
+    assert sums["bad_features"] == 1.0
     with pytest.raises(ValueError, match=r"non-finite target final hidden states in batch 1 \(token rows \[7\]"):
-        optimizer_step(_Engine(module), micro, module.loss_cfg.decay_lambda, world=1)
+        check_features(sums["bad_features"], micro, 1)
+
+
+class _Batches:
+    def __init__(self, micro: list[MicroBatch]) -> None:
+        self.micro = micro
+
+    def start(self, step: int) -> None:
+        pass
+
+    def take(self, step: int) -> list[MicroBatch]:
+        return self.micro
+
+    def close(self) -> None:
+        pass
+
+
+def _fit_with_nan_on_rank_1(rank: int, world: int) -> str:
+    """One step of `fit` on a gloo rank; rank 1's second micro-batch carries a NaN. -> the error it raised."""
+    import logging
+
+    from pipeline.metrics import NullSink
+    from workers.trainer.loop import fit
+
+    module = _moe_module()
+    cfg = _cfg(block_size=module.draft.cfg.block_size)
+    cfg.train.max_steps, cfg.train.tensorboard = 1, False
+    micro = _micro(module, nan_row=7 if rank == 1 else None)
+    try:  # no checkpointer: a step that got past the check would fail to save
+        fit(_Engine(module), _Batches(micro), None, NullSink(), cfg, rank, world, 0, logging.getLogger("t"))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_non_finite_features_on_one_rank_stop_every_rank():
+    """The count rides on the step's metric all-reduce: both ranks raise (none waits out a collective timeout); the
+    rank holding the batch names it."""
+    from dist_helpers import run_ranks
+
+    errors = run_ranks(_fit_with_nan_on_rank_1, 2, timeout=240)
+    assert errors[1].startswith("non-finite target final hidden states in batch 1 (token rows [7]")
+    assert errors[0].startswith("non-finite target features in 1 micro-batch(es) of step 1 on another trainer rank")
 
 
 # ---- one MoE-load all-reduce per optimizer step ----------------------------------------------------------------

@@ -56,7 +56,7 @@ def _grads(moe: MoE, y: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> list[
 def test_grouped_gemm_equals_the_expert_loop_exactly(limit):
     moe = _moe(limit)
     x = torch.randn(37, D, requires_grad=True)
-    assert moe_module.grouped_mm_supported(x, moe.w_gate_EDI, moe.w_down_EID)
+    assert moe_module.grouped_mm_supported(x, moe.w_gate_EDI, moe.w_up_EDI, moe.w_down_EID)
     y, _ = moe(x)
     ref = _loop_forward(moe, x)
     assert torch.equal(y, ref)
@@ -88,8 +88,49 @@ def test_grouped_mm_rules():
     assert not moe_module.grouped_mm_supported(x, w.bfloat16())  # mixed dtypes: the op does not autocast
     assert not moe_module.grouped_mm_supported(torch.randn(4, 3), torch.randn(2, 3, 5))  # 12-byte rows
     flat = torch.randn(2 * D * I + 1)
-    assert not moe_module.grouped_mm_supported(x, flat[1:].view(2, D, I))  # a weight inside a flat buffer, unaligned
+    unaligned = flat[1:].view(2, D, I)  # a weight inside a flat buffer: copied, not refused
+    assert moe_module.grouped_mm_supported(x, unaligned)
+    assert unaligned.data_ptr() % 16 != 0 and moe_module.aligned_operand(unaligned).data_ptr() % 16 == 0
+    assert moe_module.aligned_operand(w) is w
     assert moe_module.grouped_mm_supported(torch.randn(4, D + 1)[:, 1:].contiguous(), w)
+
+
+def test_flat_buffer_weights_keep_the_grouped_gemm(monkeypatch):
+    """DeepSpeed ZeRO-1/2 makes every trainable parameter a view into one flat buffer; an odd-sized parameter before
+    the experts leaves their base pointers misaligned. The MoE still runs the grouped GEMM (on aligned copies),
+    with the same output and gradients as with its own aligned weights."""
+    moe = _moe()
+    x = torch.randn(23, D, requires_grad=True)
+    g = torch.randn(23, D)
+    y_ref, _ = moe(x)
+    grads_ref = _grads(moe, y_ref, x, g)
+
+    params = list(moe.parameters())
+    flat = torch.zeros(3 + sum(p.numel() for p in params))  # 3 elements first, as mHC's alpha_3 in the draft
+    offset = 3
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += p.numel()
+    assert moe.w_gate_EDI.data_ptr() % 16 != 0 and moe.w_down_EID.data_ptr() % 16 != 0
+
+    grouped = []
+    real = torch._grouped_mm
+
+    def spy(a, b, **kw):
+        grouped.append(b.data_ptr() % 16)
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    y, _ = moe(x)
+    assert grouped == [0, 0, 0]  # three grouped GEMMs, every weight operand aligned
+    assert torch.equal(y, y_ref)
+    for a, b in zip(_grads(moe, y, x, g), grads_ref, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
 
 
 def test_no_host_read_inside_the_forward(monkeypatch):

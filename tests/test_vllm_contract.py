@@ -144,8 +144,19 @@ def test_cluster_check_counts_a_vllm_replica_s_gpus_and_lets_vllm_s_ray_executor
     check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 3)  # 16 + 8 GPUs
     with pytest.raises(InputError, match=r"^the run needs 24 GPUs"):
         check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 2)
-    with pytest.raises(InputError, match=r"needs 16 GPUs on one node .* the largest node has 8$"):
+    with pytest.raises(InputError, match=r"needs 16 GPUs on one node \(target.tp_size=8 x target.pp_size=2 x "
+                                         r"target.gpus_per_worker=1\) but the largest node has 8$"):
         check_cluster_fits(load_config(None, [*over, "target.vllm_executor=mp"]), [small] * 3)
+    # tp=1, pp=2 on the mp executor: both pipeline stages are one engine's processes on one node
+    pp_only = ["target.backend=vllm", "target.tp_size=1", "target.pp_size=2", "target.gpus_per_worker=1",
+               "target.vllm_executor=mp"]
+    check_cluster_fits(load_config(None, pp_only), [{"CPU": 8.0, "GPU": 2.0}])
+    with pytest.raises(InputError, match=r"^a target group needs 2 GPUs on one node \(target.tp_size=1 x "
+                                         r"target.pp_size=2 x target.gpus_per_worker=1\) but the largest node has 1$"):
+        check_cluster_fits(load_config(None, pp_only), [{"CPU": 8.0, "GPU": 1.0}] * 2)
+    with pytest.raises(InputError, match=r"^the run needs 2 GPUs \(target.num_workers=1 x target.tp_size=1 x "
+                                         r"target.pp_size=2 x target.gpus_per_worker=1, plus 0 for 2 trainer"):
+        check_cluster_fits(load_config(None, pp_only), [{"CPU": 8.0, "GPU": 1.0}])
 
 
 def test_what_a_killed_engine_left_behind_is_removed_by_the_next_one():

@@ -32,23 +32,28 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
     for: in total, and each group on one node (its placement group is STRICT_PACK). `nodes` holds each live node's
     total resources (ray.nodes()'s "Resources"). A cluster that grows (an autoscaler) is not foreseen here."""
     t, c = cfg.target, cfg.cluster
+    vllm = t.backend == "vllm"
     # a vLLM replica: tp x pp GPUs, and one engine actor's CPUs; vLLM's "ray" executor may span nodes
-    ranks = t.tp_size * (t.pp_size if t.backend == "vllm" else 1)
-    group = {"GPU": ranks * t.gpus_per_worker,
-             "CPU": t.cpus_per_worker if t.backend == "vllm" else t.tp_size * t.cpus_per_worker}
-    one_node = t.tp_size > 1 and (t.backend == "transformers" or t.vllm_executor != "ray")
+    ranks = t.tp_size * (t.pp_size if vllm else 1)
+    group = {"GPU": ranks * t.gpus_per_worker, "CPU": t.cpus_per_worker if vllm else t.tp_size * t.cpus_per_worker}
+    one_node = ranks > 1 and (not vllm or t.vllm_executor != "ray")
+    # how one group's need is made up, per resource, in the config's keys
+    ranks_keys = f"target.tp_size={t.tp_size}" + (f" x target.pp_size={t.pp_size}" if vllm else "")
+    made_of = {"GPU": f"{ranks_keys} x target.gpus_per_worker={t.gpus_per_worker:g}",
+               "CPU": (f"target.cpus_per_worker={t.cpus_per_worker:g}" if vllm
+                       else f"target.tp_size={t.tp_size} x target.cpus_per_worker={t.cpus_per_worker:g}")}
     trainers = {"GPU": c.num_trainers * (1.0 if c.use_gpu else 0.0), "CPU": c.num_trainers * c.cpus_per_trainer}
-    shape = f"target.num_workers={t.num_workers} x target.tp_size={t.tp_size}"
-    for kind, per in (("GPU", "gpus_per_worker"), ("CPU", "cpus_per_worker")):
+    for kind in ("GPU", "CPU"):
         have = sum(n.get(kind, 0.0) for n in nodes)
         need = t.num_workers * group[kind] + trainers[kind]
         if need > have + 1e-9:
-            raise InputError(f"the run needs {need:g} {kind}s ({shape} x target.{per}={getattr(t, per):g}, plus "
-                             f"{trainers[kind]:g} for {c.num_trainers} trainer(s)) but the Ray cluster has {have:g}")
+            raise InputError(f"the run needs {need:g} {kind}s (target.num_workers={t.num_workers} x {made_of[kind]}, "
+                             f"plus {trainers[kind]:g} for {c.num_trainers} trainer(s)) but the Ray cluster has "
+                             f"{have:g}")
         biggest = max((n.get(kind, 0.0) for n in nodes), default=0.0)
         if one_node and group[kind] > biggest + 1e-9:
-            raise InputError(f"a target group needs {group[kind]:g} {kind}s on one node (target.tp_size={t.tp_size} "
-                             f"x target.{per}={getattr(t, per):g}) but the largest node has {biggest:g}")
+            raise InputError(f"a target group needs {group[kind]:g} {kind}s on one node ({made_of[kind]}) but the "
+                             f"largest node has {biggest:g}")
 
 
 def worker_runtime_env(address: str = "") -> dict | None:

@@ -37,17 +37,29 @@ def out_of_memory_is_fatal(describe, *args) -> Iterator[None]:
         raise OutOfMemory(describe(e, *args)) from None
 
 
-def trainer_step_oom(e: BaseException, rank: int, step: int, micro: list, cfg) -> str:
-    """The trainer's line: which rank, the (blocks, tokens) of each micro-batch it held, and the keys that shrink
-    them (train.activation_checkpointing where the config has it)."""
-    shapes = ", ".join(f"({mb.batch.valid_NK.shape[0]} blocks, {mb.batch.input_ids_T.shape[0]} tokens)"
-                       for mb in micro)
+def _batch_keys(cfg) -> list[str]:
+    """The keys that shrink a trainer's micro-batches (and, unset, activation checkpointing)."""
     keys = [f"data.anchors_per_seq ({cfg.data.anchors_per_seq}: blocks per sequence)",
             f"data.samples_per_batch ({cfg.data.samples_per_batch}: sequences per micro-batch)"]
-    if hasattr(cfg.train, "activation_checkpointing") and not cfg.train.activation_checkpointing:
+    if not cfg.train.activation_checkpointing:
         keys.append("or set train.activation_checkpointing=true")
+    return keys
+
+
+def trainer_step_oom(e: BaseException, rank: int, step: int, micro: list, cfg) -> str:
+    """The trainer's line: which rank, the (blocks, tokens) of each micro-batch it held, and the keys that shrink
+    them (and train.activation_checkpointing=true when it is off)."""
+    shapes = ", ".join(f"({mb.batch.valid_NK.shape[0]} blocks, {mb.batch.input_ids_T.shape[0]} tokens)"
+                       for mb in micro)
     return (f"trainer rank {rank} ran out of GPU memory in step {step} on micro-batches of {shapes} "
-            f"({first_line(e)}); lower {', '.join(keys)}")
+            f"({first_line(e)}); lower {', '.join(_batch_keys(cfg))}")
+
+
+def trainer_fetch_oom(e: BaseException, rank: int, step: int, cfg) -> str:
+    """The trainer's line for its prefetch thread (workers/trainer/prefetch.py), which copies a step's micro-batches
+    to the device and decodes their features there: which rank, which step's batches, the keys that shrink them."""
+    return (f"trainer rank {rank} ran out of GPU memory fetching step {step}'s micro-batches (copying them to the "
+            f"device and decoding their features) ({first_line(e)}); lower {', '.join(_batch_keys(cfg)[:2])}")
 
 
 def target_forward_oom(e: BaseException, rank: int, batch_index: int, shape_BL: tuple[int, int],

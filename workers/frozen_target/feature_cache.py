@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -102,7 +101,7 @@ def read_batch(d: str | os.PathLike, batch_index: int, samples: list[TokenizedSa
     """The FeatureBatch of `samples` (in their order) from the cache; ValueError when a stored sample's length is
     not the sample's (a cache written for other data under the same key: delete the directory)."""
     d = Path(d)
-    ctx, fin, lengths = [], [], []
+    ctx, fin = [], []
     for s in samples:
         t = load_file(str(_path(d, int(s.sample_id))))
         if t["final"].shape[0] != len(s.input_ids):
@@ -110,19 +109,8 @@ def read_batch(d: str | os.PathLike, batch_index: int, samples: list[TokenizedSa
                              f"samples file {len(s.input_ids)}; the cache is stale (delete {d})")
         ctx.append(t["ctx"])
         fin.append(t["final"])
-        lengths.append(len(s.input_ids))
-    seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
-    seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return FeatureBatch(
-        batch_index=batch_index,
-        sample_ids=tuple(int(s.sample_id) for s in samples),
-        input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
-        loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
-        seq_start_S1=seq_start_S1,
-        ctx_feats_TF=torch.cat(ctx, dim=0),
-        ctx_is_final=ctx[0].shape[1] == 0,
-        final_hidden_TD=torch.cat(fin, dim=0),
-    )
+    return FeatureBatch.from_samples(batch_index, samples, torch.cat(ctx, dim=0), torch.cat(fin, dim=0),
+                                     ctx_is_final=ctx[0].shape[1] == 0)
 
 
 def open_feature_cache(cfg: Any, samples_digest: str, target_path: str | os.PathLike, log) -> str | None:

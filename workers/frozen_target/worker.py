@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 
 from pipeline.contracts import FeatureBatch, TokenizedSample
@@ -163,20 +162,10 @@ class TargetWorker:
                 fin_parts[i] = final_BLD[b, :lengths[i]].to("cpu", self.wire_dtype)
         if not host_copy:
             return None
-        seq_start_S1 = torch.zeros(len(samples) + 1, dtype=torch.long)
-        seq_start_S1[1:] = torch.cumsum(torch.tensor(lengths), 0)
-        fb = FeatureBatch(
-            batch_index=batch_index,
-            sample_ids=tuple(int(s.sample_id) for s in samples),
-            input_ids_T=torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples])),
-            loss_mask_T=torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples])),
-            seq_start_S1=seq_start_S1,
-            # context == final hidden (DSpark-V4): ship it once; FeatureBatch.decode restores the view
-            ctx_feats_TF=(torch.empty(sum(lengths), 0, dtype=self.wire_dtype) if self.ctx_is_final
-                          else torch.cat(ctx_parts, dim=0)),
-            ctx_is_final=self.ctx_is_final,
-            final_hidden_TD=torch.cat(fin_parts, dim=0),
-        )
+        # context == final hidden (DSpark-V4): ship it once as [T, 0]; pack and decode_features alias it to the final
+        ctx_TF = (torch.empty(sum(lengths), 0, dtype=self.wire_dtype) if self.ctx_is_final
+                  else torch.cat(ctx_parts, dim=0))
+        fb = FeatureBatch.from_samples(batch_index, samples, ctx_TF, torch.cat(fin_parts, dim=0), self.ctx_is_final)
         if cache:
             write_batch(cache, fb)
         return fb

@@ -37,11 +37,11 @@ from pipeline.config import RunConfig
 from pipeline.metrics import MetricsSink
 from pipeline.order import batch_index_for
 from workers.lease import LeaseLost
-from workers.oom import out_of_memory_is_fatal, trainer_step_oom
+from workers.oom import out_of_memory_is_fatal, trainer_fetch_oom, trainer_step_oom
 from workers.preemption import Notice
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import LEDGER_FILE, Ledger, read_ledger, write_ledger
-from workers.trainer.step import MicroBatch, all_reduce_sum, format_step, optimizer_step, step_metrics
+from workers.trainer.step import MicroBatch, all_reduce_sum, check_features, format_step, optimizer_step, step_metrics
 
 __all__ = ["FitResult", "MicroBatch", "StepBatches", "barrier", "fit", "resume", "resume_ledger"]
 
@@ -130,7 +130,9 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             batches.start(start_step)
         for step in range(start_step, t.max_steps):
             t0 = time.time()
-            micro = batches.take(step)
+            # the prefetch thread's device copies and decode raise their OOM here
+            with out_of_memory_is_fatal(trainer_fetch_oom, rank, step + 1, cfg):
+                micro = batches.take(step)
             if step + 1 < t.max_steps:
                 batches.start(step + 1)  # overlaps the next step's fetch with this step's compute
             t_data = time.time() - t0
@@ -146,6 +148,7 @@ def fit(engine: Any, batches: StepBatches, checkpointer: CheckpointManager, sink
             if gone_votes > 0:  # the run dir is not this driver's any more: no metrics, no checkpoint
                 raise LeaseLost(f"stopping at step {step + 1}, before its checkpoint and metrics: "
                                 f"{notice.gone or 'another trainer rank found its driver gone'}")
+            check_features(dict(zip(rank_sums, totals))["bad_features"], micro, step + 1)  # on every rank
             # dt ends after a host read of the step's results (optimizer_step's sums, this all-reduce): the kernels
             # are done by then, so it is the step's time with no synchronize of its own
             metrics = step_metrics(totals, global_w, cfg, world, time.time() - t0, t_data, engine.get_lr()[0],

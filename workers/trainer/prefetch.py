@@ -3,10 +3,11 @@ computes, shared by both batch sources (workers/trainer/ray_trainer.FeatureServi
 workers/trainer/single_process.LocalBatches).
 
 `make(step)` runs on one worker thread, one step at a time and in order, so its results are the ones a sequential
-run makes; everything it does (Ray's fetch and unpickle, packing, pinning, the non-blocking host-to-device copies and
-the device-side decode) is off the training thread's critical path. On CUDA the thread issues its copies and decode
-on the device's current stream, the one the step's kernels run on, so they are ordered before the step that reads
-them without any synchronize. The loop (workers/trainer/loop.fit) calls `start(s + 1)` right after `take(s)`.
+run makes. On CUDA the thread issues its non-blocking host-to-device copies and the decode on the default stream, the
+one the step's kernels run on: they are ordered before the step that reads them without any synchronize, but the
+DMA and the decode are serialized with the step's compute on the GPU. What overlaps the step is the host work only
+(Ray's fetch and unpickle, packing, pinning, launching the copies). The loop (workers/trainer/loop.fit) calls
+`start(s + 1)` right after `take(s)`.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def checkpoint_layers(draft: nn.Module) -> int:
     A recomputed forward must not change module state twice: the MoE adds each forward's expert load to the
     step's balance update (moe.py says recomputation would count it twice). So the recompute runs with the layer's
     buffers and plain tensor attributes saved before and restored after it; the first forward's effects stand.
-    (A collective inside a layer's forward, such as the MoE's load all-reduce, runs again in the recompute, on
-    every rank in the same order.)"""
+    The draft's own forward holds no collective: the MoE's load all-reduce runs once per step, in
+    apply_moe_balance, after the last backward."""
     from torch.utils.checkpoint import checkpoint
 
     def state(layer: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
@@ -244,13 +244,25 @@ def optimizer_step(engine: Any, micro: list[MicroBatch], decay_lambda: float,
             counts[key] += value
     apply_moe_balance(engine.module)  # once per optimizer step, from the whole global batch's load
     ce, tv, conf, aux, tau, bad = device_sums.tolist() if device_sums is not None else [0.0] * 6
-    if bad:  # before the loss is judged: the features, not the draft, went wrong (nothing is saved after this)
-        mb = next(mb for mb in micro if mb.features_finite is not None and not bool(mb.features_finite))
-        raise ValueError(nonfinite_message(mb.batch.ctx_feats_TF, mb.batch.final_hidden_TD, mb.batch_index,
-                                           mb.sample_ids))
+    # `bad` is not raised here: it rides on the loop's metric all-reduce, so every rank stops (check_features)
     return {"ce": ce, "tv": tv, "conf": conf, "aux": aux, "trained": counts["trained"], "wire": counts["wire"],
             "useful": counts["useful"], "computed": counts["computed"], "tau_sum": tau,
-            "blocks": counts["blocks"], **phases}, global_w
+            "blocks": counts["blocks"], **phases, "bad_features": bad}, global_w
+
+
+def check_features(bad_features: float, micro: list[MicroBatch], step: int) -> None:
+    """Raise on every rank when any rank's micro-batches had non-finite features (`bad_features`: their count
+    summed over the ranks by the step's metric all-reduce), before the loss is judged or anything is saved: the
+    features, not the draft, went wrong. A rank that raised alone would leave the others waiting in the next
+    collective until its timeout. The rank holding such a batch names it and its token rows."""
+    if bad_features <= 0:
+        return
+    for mb in micro:
+        if mb.features_finite is not None and not bool(mb.features_finite):
+            raise ValueError(nonfinite_message(mb.batch.ctx_feats_TF, mb.batch.final_hidden_TD, mb.batch_index,
+                                               mb.sample_ids))
+    raise ValueError(f"non-finite target features in {int(bad_features)} micro-batch(es) of step {step} on another "
+                     "trainer rank (its error names the batch and token rows): the target produced NaN/Inf")
 
 
 def host_weight_sum(valid_len_N: np.ndarray, block_size: int, decay_lambda: float) -> float:
@@ -280,8 +292,9 @@ def param_groups(module: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
 
 def step_metrics(totals: list[float], global_w: float, cfg: RunConfig, world: int, dt: float, t_data: float,
                  lr: float, step: int) -> dict[str, float]:
-    """The logged metrics of one step from the all-reduced sums of `optimizer_step`; stops on a non-finite loss."""
-    ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks, t_fwd, t_bwd, t_opt = totals
+    """The logged metrics of one step from the all-reduced sums of `optimizer_step` (`check_features` has judged the
+    last one, the count of batches with non-finite features); stops on a non-finite loss."""
+    ce, tv, conf, aux, trained, wire, useful, computed, tau_sum, blocks, t_fwd, t_bwd, t_opt, _ = totals
     for name, value in (("ce", ce), ("tv", tv), ("conf", conf)):
         if not math.isfinite(value):
             raise FloatingPointError(f"step {step}: the {name} loss is {value}; stopping before any "
