@@ -274,7 +274,7 @@ def build_trainer(shape: Shape, device: torch.device, engine_kind: str, run_dir:
     from draft_model.registry import build_draft
     from workers.trainer.engines import TorchEngine, deepspeed_engine
     from workers.trainer.precision import frozen_dtype, loss_matmul_dtype
-    from workers.trainer.step import DraftWithLoss, pack_micro_batch, setup_moe_balance
+    from workers.trainer.step import DraftWithLoss, pack_micro_batch, prepare_draft
 
     cfg = run_config(shape, device, run_dir)
     matmul, _ = loss_matmul_dtype(cfg.loss.matmul_dtype, device, None)
@@ -283,8 +283,7 @@ def build_trainer(shape: Shape, device: torch.device, engine_kind: str, run_dir:
     embed_VD = torch.randn(shape.vocab, shape.hidden, device=device) * 0.5
     head_VD = torch.randn(shape.vocab, shape.hidden, device=device) * shape.hidden ** -0.5
     # stored as the Ray trainer stores them (bf16 when it trains and multiplies in bf16)
-    draft = build_draft(cfg.draft, embed_VD, head_VD, frozen_dtype=frozen_dtype(cfg))
-    setup_moe_balance(draft)
+    draft = prepare_draft(build_draft(cfg.draft, embed_VD, head_VD, frozen_dtype=frozen_dtype(cfg)), cfg)
     module = DraftWithLoss(draft, cfg.loss).to(device)
     engine = deepspeed_engine(module, cfg) if engine_kind == "deepspeed" else TorchEngine(module, cfg)
     data_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32

@@ -37,13 +37,7 @@ from workers.trainer.precision import describe as describe_dtype
 from workers.trainer.precision import frozen_dtype, loss_matmul_dtype
 from workers.trainer.prefetch import OneStepAhead
 from workers.trainer.serving_export import export_for_engines
-from workers.trainer.step import (
-    DraftWithLoss,
-    checkpoint_layers,
-    compile_draft,
-    pack_micro_batch,
-    setup_moe_balance,
-)
+from workers.trainer.step import DraftWithLoss, pack_micro_batch, prepare_draft
 
 
 class FeatureServiceBatches:
@@ -195,12 +189,7 @@ def _train(loop_config: dict[str, Any]) -> None:
     if rank == 0:
         log.info("%s", describe_dtype(*matmul))
     embed_VD, lm_head_VD = ray.get(loop_config["weights_ref"])
-    draft = build_draft(cfg.draft, embed_VD, lm_head_VD, frozen_dtype=frozen_dtype(cfg))
-    setup_moe_balance(draft)
-    if cfg.train.activation_checkpointing:
-        checkpoint_layers(draft)
-    if cfg.train.compile:
-        compile_draft(draft)
+    draft = prepare_draft(build_draft(cfg.draft, embed_VD, lm_head_VD, frozen_dtype=frozen_dtype(cfg)), cfg)
     engine, start_step, ledger, _ = resumed_engine(DraftWithLoss(draft, cfg.loss), cfg, ckpts, resume_from, rank,
                                                    world, log, loop_config["samples_digest"])
 

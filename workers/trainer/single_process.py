@@ -38,13 +38,7 @@ from workers.trainer.precision import describe as describe_dtype
 from workers.trainer.precision import loss_matmul_dtype
 from workers.trainer.prefetch import OneStepAhead
 from workers.trainer.serving_export import export_for_engines
-from workers.trainer.step import (
-    DraftWithLoss,
-    checkpoint_layers,
-    compile_draft,
-    pack_micro_batch,
-    setup_moe_balance,
-)
+from workers.trainer.step import DraftWithLoss, pack_micro_batch, prepare_draft
 
 
 class LocalBatches:
@@ -119,12 +113,7 @@ def train_single_process(cfg: RunConfig, log: logging.Logger, device: str = "aut
     log.info("%s", describe_dtype(dtype, why))
     torch.manual_seed(cfg.train.seed)
     embed_VD, lm_head_VD = worker.embedding_weights()
-    module = DraftWithLoss(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg.loss).to(dev)
-    setup_moe_balance(module.draft)
-    if cfg.train.activation_checkpointing:
-        checkpoint_layers(module.draft)
-    if cfg.train.compile:
-        compile_draft(module.draft)
+    module = DraftWithLoss(prepare_draft(build_draft(cfg.draft, embed_VD, lm_head_VD), cfg), cfg.loss).to(dev)
     engine = TorchEngine(module, cfg)
     ckpts = CheckpointManager(run_dir, cfg.checkpoint.keep_last,
                               fence=fence.check_commit if fence is not None else None)

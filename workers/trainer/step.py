@@ -133,6 +133,18 @@ def checkpoint_layers(draft: nn.Module) -> int:
     return len(layers)
 
 
+def prepare_draft(draft: nn.Module, cfg: RunConfig) -> nn.Module:
+    """What every trainer applies to a freshly built draft, in this order: the once-per-step MoE balance, then
+    activation checkpointing (train.activation_checkpointing), then compile (train.compile), which must wrap the
+    checkpointed layers. Returns the draft."""
+    setup_moe_balance(draft)
+    if cfg.train.activation_checkpointing:
+        checkpoint_layers(draft)
+    if cfg.train.compile:
+        compile_draft(draft)
+    return draft
+
+
 def setup_moe_balance(draft: nn.Module) -> None:
     """Every trainer's MoE balance bias: updated once per optimizer step from the load of the whole global batch
     (`optimizer_step` applies it through `apply_moe_balance`), the same on every data-parallel replica."""
