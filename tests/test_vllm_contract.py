@@ -1,7 +1,8 @@
 """The vLLM backend's pieces that need no vLLM (default suite, seconds): the config keys and their one-line
-errors, the options handed to vllm.LLM (parallelism included), the one layer-id mapping (vLLM's pre-norm id L ->
-our final state, with transformers' own RMSNorm as the reference), the shared-memory and file hand-offs, and the
-FeatureBatch built on our side from the engine's library-neutral answer.
+errors, the options handed to vllm.LLM (parallelism included), the one layer-id mapping (our L and -1 -> the
+engine's LM-head input, asked for as FINAL_AUX_ID and captured last; vLLM's DeepSeek-V4 has no id 0), the capture
+plugin's wheel, the shared-memory and file hand-offs, and the FeatureBatch built on our side from the engine's
+library-neutral answer.
 
 Run: python -m pytest -q tests/test_vllm_contract.py
 """
@@ -16,13 +17,8 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from pipeline.contracts import TokenizedSample
-from workers.frozen_target.vllm_engine.engine import (
-    aux_layer_ids,
-    check_final_rule,
-    engine_kwargs,
-    layer_features,
-    rms_norm,
-)
+from workers.frozen_target.vllm_engine.capture_model import FINAL_AUX_ID
+from workers.frozen_target.vllm_engine.engine import aux_layer_ids, engine_kwargs, first_aux_id, layer_features
 from workers.frozen_target.vllm_engine.transfer import read_states, write_states
 from workers.frozen_target.vllm_worker import engine_actor_options, feature_batch
 
@@ -50,14 +46,14 @@ def _target(**over) -> dict:
 
 def test_parallelism_and_capture_settings_reach_the_engine_arguments():
     t = _target(tp_size=8, pp_size=2, expert_parallel="true", vllm_executor="ray", gpus_per_worker=1)
-    kw = engine_kwargs(t, [2, 15, 30], "/tmp/x")
+    kw = engine_kwargs(t, [2, 15, FINAL_AUX_ID], "/tmp/x")
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (8, 2)
     assert kw["enable_expert_parallel"] is True and kw["distributed_executor_backend"] == "ray"
     assert kw["enable_prefix_caching"] is False  # a capture never comes from cached blocks
     assert kw["max_num_batched_tokens"] >= t["max_tokens_per_forward"] >= 512  # data.max_len fits one step
     spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states"
-    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 30]
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, -1]
     assert kw["kv_transfer_config"]["kv_connector_module_path"] == "workers.frozen_target.vllm_engine.connector"
     assert kw["kv_transfer_config"]["kv_connector_extra_config"]["transport"] == "shm"
     assert engine_kwargs(_target(), [30], "/tmp/x")["distributed_executor_backend"] is None  # vLLM's choice
@@ -71,30 +67,58 @@ def test_parallelism_and_capture_settings_reach_the_engine_arguments():
     assert opts["runtime_env"]["py_executable"] == mp["vllm_python"]
 
 
-def test_layer_ids_map_to_vllm_aux_ids_and_the_final_norm_matches_transformers():
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
+def test_layer_ids_map_to_vllm_aux_ids_with_the_lm_head_input_last():
     L, D = 4, 8
-    assert aux_layer_ids([2, -1], L) == [2, L] and aux_layer_ids([0, L, 1], L) == [0, 1, L]
+    assert FINAL_AUX_ID == -1
+    assert aux_layer_ids([2, -1], L) == [2, -1] and aux_layer_ids([0, L, 1], L) == [0, 1, -1]
+    assert aux_layer_ids([3, 1, 3], L) == [1, 3, -1]  # ascending, as vLLM's model appends them, the final last
     with pytest.raises(ValueError, match="target layer 5 out of range"):
         aux_layer_ids([5], L)
-    check_final_rule({"num_hidden_layers": 4})
-    with pytest.raises(ValueError, match="hyper-connections"):
-        check_final_rule({"num_hidden_layers": 4, "hc_mult": 4})
-    torch.manual_seed(0)
-    norm = LlamaRMSNorm(D, eps=1e-5)
-    norm.weight.data = torch.rand(D) + 0.5
-    states_TKD = torch.randn(6, 3, D) * 30  # aux ids [0, 2, L]: L is the last layer's output before the norm
-    ctx_TF, final_TD = layer_features(states_TKD, [0, 2, L], [2, -1, L, 0], L, (norm.weight.data, 1e-5))
-    with torch.no_grad():
-        want_final = norm(states_TKD[:, 2])
-    torch.testing.assert_close(final_TD, want_final, rtol=0, atol=1e-6)
-    torch.testing.assert_close(ctx_TF, torch.cat([states_TKD[:, 1], want_final, want_final, states_TKD[:, 0]], -1))
-    bf16 = states_TKD.bfloat16()
-    norm_bf16 = LlamaRMSNorm(D, eps=1e-5).bfloat16()
-    norm_bf16.weight.data = norm.weight.data.bfloat16()
-    with torch.no_grad():
-        assert torch.equal(rms_norm(bf16[:, 2], norm_bf16.weight.data, 1e-5), norm_bf16(bf16[:, 2]))
+    # DeepSeek-V4 in vLLM taps decoder-layer outputs only: no embeddings (0)
+    assert first_aux_id({"num_hidden_layers": 4}) == 0 and first_aux_id({"hc_mult": 4}) == 1
+    assert aux_layer_ids([1, L], L, first=1) == [1, -1]
+    with pytest.raises(ValueError, match="does not capture the embeddings") as e:
+        aux_layer_ids([0, 2], L, first=1)
+    assert "\n" not in str(e.value)
+    states_TKD = torch.randn(6, 3, D)  # aux ids [0, 2, FINAL]: the engine's LM-head input comes last
+    ctx_TF, final_TD = layer_features(states_TKD, [0, 2, -1], [2, -1, L, 0], L)
+    assert torch.equal(final_TD, states_TKD[:, 2])
+    assert torch.equal(ctx_TF, torch.cat([states_TKD[:, 1], states_TKD[:, 2], states_TKD[:, 2], states_TKD[:, 0]], -1))
+
+
+def test_the_capture_plugin_wheel_holds_one_module_and_its_entry_point(tmp_path):
+    """What launch/make_vllm_env.py installs into vLLM's environment: pip's RECORD lists every file with its hash,
+    vLLM finds the `vllm.general_plugins` entry point, and the module does nothing outside our engines."""
+    import base64
+    import hashlib
+    import importlib.util
+    import zipfile
+
+    from launch_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("make_vllm_env", REPO / "launch" / "make_vllm_env.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    wheel = mod.plugin_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        info = f"{mod.PLUGIN}-{mod.PLUGIN_VERSION}.dist-info"
+        meta = ("METADATA", "WHEEL", "entry_points.txt", "RECORD")
+        assert names == {f"{mod.PLUGIN}.py", *(f"{info}/{n}" for n in meta)}
+        entry = z.read(f"{info}/entry_points.txt").decode()
+        assert "[vllm.general_plugins]\ndspark_capture = dspark_vllm_plugin:register" in entry
+        for line in z.read(f"{info}/RECORD").decode().splitlines():
+            name, digest, size = line.split(",")
+            if name.endswith("RECORD"):
+                continue
+            data = z.read(name)
+            assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert int(size) == len(data)
+        source = z.read(f"{mod.PLUGIN}.py").decode()
+    namespace: dict = {}
+    exec(compile(source, "dspark_vllm_plugin.py", "exec"), namespace)
+    os.environ.pop("VLLM_DSPARK_CAPTURE_ARCH", None)
+    namespace["register"]()  # outside our engines: imports nothing (no vllm here), registers nothing
 
 
 @pytest.mark.parametrize("transport", ["shm", "file"])
@@ -182,3 +206,28 @@ def test_what_a_killed_engine_left_behind_is_removed_by_the_next_one():
         assert torch.equal(states, torch.ones(2, 1, 3))
     finally:
         shutil.rmtree(mine, ignore_errors=True)
+
+
+def test_embeddings_are_read_in_both_checkpoint_layouts_and_a_quantized_head_is_refused(tmp_path):
+    """The trainers' frozen embedding and LM head, read on our side: Hugging Face names, DeepSeek's own layout
+    (`embed.weight`, `head.weight`: V3/V4 as published, what vLLM loads), tied weights; an FP8 head is one line."""
+    from safetensors.torch import save_file
+
+    from workers.frozen_target.vllm_worker import checkpoint_embeddings
+
+    e, h = torch.randn(10, 4), torch.randn(10, 4)
+    for name, tensors in {"hf": {"model.embed_tokens.weight": e, "lm_head.weight": h},
+                          "deepseek": {"embed.weight": e.bfloat16(), "head.weight": h.bfloat16()},
+                          "tied": {"model.embed_tokens.weight": e}}.items():
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        got_e, got_h = checkpoint_embeddings(tmp_path / name, "float32")
+        tol = 1e-2 if name == "deepseek" else 0
+        torch.testing.assert_close(got_e, e, rtol=tol, atol=tol)
+        torch.testing.assert_close(got_h, e if name == "tied" else h, rtol=tol, atol=tol)
+    (tmp_path / "fp8").mkdir()
+    save_file({"embed.weight": e, "head.weight": h.to(torch.float8_e4m3fn)},
+              str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ValueError, match="head.weight is stored as torch.float8_e4m3fn") as err:
+        checkpoint_embeddings(tmp_path / "fp8", "float32")
+    assert "\n" not in str(err.value)

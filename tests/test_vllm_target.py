@@ -75,7 +75,9 @@ def test_vllm_features_equal_transformers_for_every_token(local_ray, reference, 
     assert seen["method"] == "extract_hidden_states" and seen["kv_connector"] == "DSparkHiddenStatesConnector"
     assert seen["tensor_parallel_size"] == 1 and seen["pipeline_parallel_size"] == 1
     assert seen["enable_prefix_caching"] is False and seen["max_num_batched_tokens"] >= MAX_TOKENS
-    assert seen["aux_layer_ids"] == [0, 2, 15, 29, 30]  # 30 = vLLM's id L, before the final norm
+    # -1: the engine's LM-head input, appended by our capture wrapper (our 30 = L and -1 both mean it); without the
+    # wrapper vLLM would hand over one state fewer than asked and encode would fail
+    assert seen["aux_layer_ids"] == [0, 2, 15, 29, -1]
     # every token of every sample has its state, in the sample order, with the same bookkeeping
     assert fb.sample_ids == reference.sample_ids and fb.num_tokens == reference.num_tokens
     assert torch.equal(fb.seq_start_S1, reference.seq_start_S1) and torch.equal(fb.input_ids_T, reference.input_ids_T)

@@ -7,13 +7,14 @@ strings and bytes) that workers/frozen_target/vllm_worker.py turns into a Featur
 unpickles the other's classes, so the two environments need not share numpy, torch or transformers versions.
 
 Layer ids, one mapping for both backends (docs/vllm-target.md): our hidden-state index i is transformers'
-`hidden_states[i]` and vLLM's aux-layer id i for 0 <= i < L (L = num_hidden_layers; 0 = the embeddings); our
-final pre-LM-head state (-1, and also L, which transformers returns after the final norm) is vLLM's id L (taken
-BEFORE the final norm) with the target's final RMSNorm applied here, from the checkpoint's own norm weight.
+`hidden_states[i]` and vLLM's aux-layer id i for 0 <= i < L (L = num_hidden_layers; 0 = the embeddings, which
+vLLM's DeepSeek-V4 does not capture: its aux ids are decoder-layer outputs 1..L, the hyper-connection streams'
+mean); our final pre-LM-head state (-1, and also L) is the state the engine's model hands its LM head, captured
+by our wrapper of vLLM's model class (capture_model.py) as one more aux state, asked for by FINAL_AUX_ID.
 
 Parallelism is vLLM's own: `tensor_parallel_size`, `pipeline_parallel_size`, `enable_expert_parallel` and
 `distributed_executor_backend` ("ray" places the engine's workers on this Ray cluster, across nodes) come from the
-target config (`engine_kwargs`). Imports: stdlib, torch, safetensors; vllm inside the actor only.
+target config (`engine_kwargs`). Imports: stdlib, torch; vllm inside the actor only.
 Legend: T tokens (all sequences concatenated), K captured aux layers, D hidden size, F = len(layers) x D.
 """
 
@@ -22,11 +23,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.frozen_target.vllm_engine.capture_model import ARCH_ENV, FINAL_AUX_ID
 from workers.frozen_target.vllm_engine.transfer import read_states, remove_leftovers, storage_dir
 
 FINAL = -1  # our "final pre-LM-head state" (draft_model.config.FINAL_HIDDEN; not imported: vLLM env)
@@ -35,14 +38,22 @@ CONNECTOR_MODULE = "workers.frozen_target.vllm_engine.connector"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding `workers/`
 
 
-def aux_layer_ids(layers: list[int], num_layers: int) -> list[int]:
-    """vLLM aux-layer ids to capture for our `layers`: each i < L as is, and L (pre-norm) for the final state,
-    which every FeatureBatch carries (the trainer's LM-head input)."""
+def first_aux_id(cfg: dict[str, Any]) -> int:
+    """The lowest aux id the engine's model captures: 1 for a hyper-connection target (vLLM's DeepSeek-V4 taps the
+    decoder layers' outputs only, `(idx + 1) in aux_hidden_state_layers`), else 0 (the embeddings)."""
+    return 1 if int(cfg.get("hc_mult", 1) or 1) > 1 else 0
+
+
+def aux_layer_ids(layers: list[int], num_layers: int, first: int = 0) -> list[int]:
+    """vLLM aux-layer ids to capture for our `layers`, in the order the engine returns them: each i < L ascending,
+    then FINAL_AUX_ID (the LM-head input, which every FeatureBatch carries; our L means it too). `first`:
+    `first_aux_id` of the target's config."""
     for i in layers:
-        if i != FINAL and not 0 <= i <= num_layers:
-            raise ValueError(f"target layer {i} out of range: the target has hidden states 0..{num_layers} "
-                             "(or -1 for the final pre-LM-head state)")
-    return sorted({i for i in layers if 0 <= i < num_layers} | {num_layers})
+        if i != FINAL and not first <= i <= num_layers:
+            raise ValueError(f"target layer {i} out of range: this target's hidden states on the vLLM backend are "
+                             f"{first}..{num_layers} (or -1 for the final pre-LM-head state)"
+                             + (" (vLLM's DeepSeek-V4 does not capture the embeddings, 0)" if first else ""))
+    return sorted({i for i in layers if 0 <= i < num_layers}) + [FINAL_AUX_ID]
 
 
 def engine_kwargs(target: dict[str, Any], aux_ids: list[int] | None, storage_dir: str = "") -> dict[str, Any]:
@@ -74,42 +85,23 @@ def engine_kwargs(target: dict[str, Any], aux_ids: list[int] | None, storage_dir
     }
 
 
-def final_norm(model_dir: str | os.PathLike) -> tuple[torch.Tensor, float]:
-    """(weight_D, eps) of the target's final RMSNorm, read from its safetensors without loading the model."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in ("model.norm.weight", "model.language_model.norm.weight", "norm.weight"):
-                if key in f.keys():
-                    return f.get_tensor(key), float(cfg.get("rms_norm_eps", 1e-6))
-    raise ValueError(f"{model_dir}: no final norm weight (model.norm.weight) in its safetensors")
-
-
-def check_final_rule(cfg: dict[str, Any]) -> None:
-    """Refuse a target whose final pre-LM-head state is not `final RMSNorm(aux id L)` (docs/vllm-target.md)."""
-    if int(cfg.get("hc_mult", 1) or 1) > 1:
-        raise ValueError("target.backend=vllm: this target has hyper-connections (hc_mult > 1, DeepSeek-V4): vLLM's "
-                         "aux states are the mean of the hc streams and its final state needs hc_head before the norm, "
-                         "which this engine does not apply yet (docs/vllm-target.md)")
-
-
-def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama-style RMSNorm as transformers computes it: in fp32, cast back, then scaled by the weight."""
-    x = x_TD.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight_D.to(x_TD.dtype) * x.to(x_TD.dtype)
-
-
-def layer_features(states_TKD: torch.Tensor, aux_ids: list[int], layers: list[int], num_layers: int,
-                   norm: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ctx_TF, final_TD) from the captured aux states: ctx concatenates `layers` in order (-1 and L = final)."""
-    final_TD = rms_norm(states_TKD[:, aux_ids.index(num_layers)], *norm)
+def layer_features(states_TKD: torch.Tensor, aux_ids: list[int], layers: list[int],
+                   num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ctx_TF, final_TD) from the captured aux states (`aux_ids` order, the LM-head input last): ctx concatenates
+    `layers` in order (-1 and L = the final state)."""
+    final_TD = states_TKD[:, -1]
     parts = [final_TD if i in (FINAL, num_layers) else states_TKD[:, aux_ids.index(i)] for i in layers]
     return torch.cat(parts, dim=-1), final_TD
+
+
+def check_plugin() -> None:
+    """Refuse, in one line, a vLLM environment without our plugin (made before it existed): without it the engine
+    would capture one state fewer than asked, and fail later and less clearly."""
+    from importlib.metadata import entry_points
+
+    if "dspark_capture" not in entry_points(group="vllm.general_plugins").names:
+        raise RuntimeError(f"the vLLM environment {sys.prefix} lacks dspark-train's capture plugin: run "
+                           "`python launch/make_vllm_env.py` again (it adds only that)")
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -129,10 +121,11 @@ class VllmEngine:
         from vllm import LLM
 
         cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
+        if layers is not None:  # the capture wrapper, registered in vLLM's processes by our plugin
+            check_plugin()
+            os.environ[ARCH_ENV] = cfg["architectures"][0]
         cfg = cfg.get("text_config", cfg)
         self.num_layers = int(cfg["num_hidden_layers"])
-        if layers is not None:
-            check_final_rule(cfg)
         self.wire_dtype = getattr(torch, target["wire_dtype"])
         self.transport = target["vllm_transport"]
         remove_leftovers()  # of an engine this one replaces (Ray restarts a killed actor here)
@@ -141,8 +134,7 @@ class VllmEngine:
             self.layers, self.aux_ids = None, None
         else:
             self.layers = list(layers)
-            self.aux_ids = aux_layer_ids(self.layers, self.num_layers)
-            self.norm = final_norm(target["resolved_path"])
+            self.aux_ids = aux_layer_ids(self.layers, self.num_layers, first_aux_id(cfg))
         self.kwargs = engine_kwargs(target, self.aux_ids, self.storage)
         self.llm = LLM(**self.kwargs)
 
@@ -176,7 +168,7 @@ class VllmEngine:
             if got_T.tolist() != [int(t) for t in ids]:
                 raise RuntimeError(f"request {out.request_id}: captured {got_T.numel()} token states for "
                                    f"{len(ids)} tokens (or other ids): a capture was truncated")
-            c, f = layer_features(states_TKD, self.aux_ids, self.layers, self.num_layers, self.norm)
+            c, f = layer_features(states_TKD, self.aux_ids, self.layers, self.num_layers)
             ctx.append((c[:, :0] if self.layers == [FINAL] else c).to(self.wire_dtype))  # final is sent once
             fin.append(f.to(self.wire_dtype))
         ctx_TF, final_TD = torch.cat(ctx), torch.cat(fin)
