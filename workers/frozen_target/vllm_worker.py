@@ -94,19 +94,29 @@ def checkpoint_dims(model_dir: str | os.PathLike) -> tuple[int, int, int]:
     return int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
 
 
+# the embedding and LM-head names of Hugging Face checkpoints, and of DeepSeek's own layout (V3/V4 as published,
+# which vLLM loads: `embed.weight`, `head.weight`)
+EMBEDDING_NAMES = {"model.embed_tokens.weight": "embed", "embed.weight": "embed", "lm_head.weight": "head",
+                   "head.weight": "head"}
+
+
 def checkpoint_embeddings(model_dir: str | os.PathLike, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_VD, lm_head_VD) read from the safetensors without loading the model; one tensor twice when tied
-    (as TargetWorker.embedding_weights returns them)."""
+    (as TargetWorker.embedding_weights returns them). A quantized (FP8/FP4) embedding or head is refused: the
+    trainers apply them as plain matrices."""
     from safetensors import safe_open
 
     found: dict[str, torch.Tensor] = {}
-    names = {"model.embed_tokens.weight": "embed", "lm_head.weight": "head"}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in set(f.keys()) & set(names):
-                found[names[key]] = f.get_tensor(key).to(getattr(torch, dtype))
+            for key in set(f.keys()) & set(EMBEDDING_NAMES):
+                t = f.get_tensor(key)
+                if not t.is_floating_point() or t.element_size() < 2:
+                    raise ValueError(f"{file}: {key} is stored as {t.dtype}; the trainers need the embedding and "
+                                     "LM head in a 16- or 32-bit float")
+                found[EMBEDDING_NAMES[key]] = t.to(getattr(torch, dtype))
     if "embed" not in found:
-        raise ValueError(f"{model_dir}: no model.embed_tokens.weight in its safetensors")
+        raise ValueError(f"{model_dir}: no embedding (model.embed_tokens.weight or embed.weight) in its safetensors")
     return found["embed"], found.get("head", found["embed"])
 
 
@@ -114,9 +124,12 @@ class VllmTarget:
     """One target replica on vLLM: an engine actor in the vLLM environment plus the assembly on our side."""
 
     def __init__(self, index: int, target: dict[str, Any], layers: list[int]) -> None:
-        from workers.frozen_target.vllm_engine.engine import FINAL, VllmEngine
+        from workers.frozen_target.vllm_engine.engine import FINAL, VllmEngine, aux_layer_ids, first_aux_id
 
         self.index, self._target, self._layers = index, target, list(layers)
+        cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        aux_layer_ids(self._layers, int(cfg["num_hidden_layers"]), first_aux_id(cfg))  # one line, before vLLM starts
         self._ctx_is_final = self._layers == [FINAL]
         self.engine = ray.remote(VllmEngine).options(**engine_actor_options(target)).remote(target, self._layers)
         path = target["resolved_path"]
