@@ -347,9 +347,9 @@ def lm_head_input(model: nn.Module, last_only: bool) -> Iterator[dict[str, torch
 def reduce_streams(state: torch.Tensor) -> torch.Tensor:
     """One layer state as [B, L, D]: a DeepSeek-V4 decoder layer's output is [B, L, hc_mult, D] (its
     hyper-connection streams); the serving engines hand a DSpark/EAGLE-3 drafter their mean, so this does too:
-    llama.cpp's `build_hc_mean` (src/models/deepseek4.cpp, its `t_layer_inp`) and vllm-ascend's
-    `DeepseekV4Model.forward` (vllm_ascend/models/deepseek_v4.py: `aux_hidden_states.append(hidden_states.mean(dim=1))`
-    on its [T, hc_mult, D] streams). docs/gpu-correctness.md has the details.
+    llama.cpp's `build_hc_mean` (src/models/deepseek4.cpp, its `t_layer_inp`) and vLLM's `DeepseekV4Model.forward`
+    (vllm/models/deepseek_v4/nvidia/model.py: `aux_hidden_states.append(aux_recon.mean(dim=1))` on its
+    [T, hc_mult, D] streams). docs/gpu-correctness.md has the details.
     A 3-D state (every other architecture, and V4's final state after `hc_head` + norm) is returned as it is."""
     return state.mean(dim=-2) if state.ndim == 4 else state
 
