@@ -1,17 +1,17 @@
-"""How much GPU memory one rank of a target group needs: its share of the weights in the bytes the checkpoint stores,
-and the capture forward above them at `target.max_tokens_per_forward`; the largest forward that fits what the
-weights leave.
+"""How much GPU memory one rank of a target group (transformers) or of a vLLM engine needs: its share of the weights
+in the bytes the checkpoint stores, and the capture forward above them at `target.max_tokens_per_forward` (on
+vLLM, its KV cache as well); the largest forward that fits what the weights leave.
 
-Weights: the model is built on the meta device from its config (no memory, no checkpoint read) and each parameter
-is counted once, divided by tp_size where transformers' sharding plan splits it (`base_model_tp_plan`, and with
-expert parallelism `base_model_ep_plan`: whole experts per rank; workers/frozen_target/sharding.py checks the same
-plans), in the bytes per parameter it is loaded with: a `quantization_config` of method fp8 stores the linear and
-expert weights in 1 byte plus one fp32 scale per weight block (`weight_block_size`, 128 x 128 by default); a
-DeepSeek-V4 config with `expert_dtype: fp4` (V4-Flash) stores its routed experts as MXFP4, 0.5 byte plus a 1-byte
-scale per 32; an mxfp4 quantization_config does that for every expert. Everything else (embeddings, the LM head,
-norms, routers, hyper-connection mixers) is counted in the dtype the meta model holds it in: `target.dtype`, or
-fp32 where the model keeps a module in fp32 (DeepSeek-V4's hc_head). Without a quantization_config every weight is
-loaded in `target.dtype`.
+Transformers, weights: the model is built on the meta device from its config (no memory, no checkpoint read) and
+each parameter is counted once, divided by tp_size where transformers' sharding plan splits it
+(`base_model_tp_plan`, and with expert parallelism `base_model_ep_plan`: whole experts per rank;
+workers/frozen_target/sharding.py checks the same plans), in the bytes per parameter it is loaded with: a
+`quantization_config` of method fp8 stores the linear and expert weights in 1 byte plus one fp32 scale per weight
+block (`weight_block_size`, 128 x 128 by default); a DeepSeek-V4 config with `expert_dtype: fp4` (V4-Flash) stores
+its routed experts as MXFP4, 0.5 byte plus a 1-byte scale per 32; an mxfp4 quantization_config does that for every
+expert. Everything else (embeddings, the LM head, norms, routers, hyper-connection mixers) is counted in the dtype
+the meta model holds it in: `target.dtype`, or fp32 where the model keeps a module in fp32 (DeepSeek-V4's hc_head).
+Without a quantization_config every weight is loaded in `target.dtype`.
 
 Capture: estimated from activation shapes (not from a traced forward), per token of a forward, in `target.dtype`:
 - the residual stream into and out of the running decoder layer, hc_mult streams wide on DeepSeek-V4 (2 S D);
@@ -26,6 +26,25 @@ Capture: estimated from activation shapes (not from a traced forward), per token
 The logits are the last position's only (lm_head_input), a few MiB: left out. So is DeepSeek-V4's compressor and
 sparse indexer (their tensors are a fraction of the attention scores above). A `RESERVE` fraction of the GPU is
 kept for the CUDA context, NCCL's buffers and the allocator's fragmentation.
+
+vLLM (`target.backend: vllm`, `vllm_rank_memory`): the largest rank of one engine of tp x pp GPUs.
+- Weights, in the same stored bytes (vLLM loads DeepSeek-V4's FP8 / MXFP4 checkpoint as is:
+  vllm/models/deepseek_v4/quant_config.py), split as vLLM shards them: the decoder layers over the pp stages
+  (`pp_stages`, vLLM's get_pp_indices), the embedding on the first stage and the LM head on the last (both
+  vocab-parallel), and within a stage over the tp ranks: attention and MLP projections, shared and routed experts
+  (whole experts with expert parallelism, slices otherwise: the same bytes), K and V by KV head (one at least a
+  rank); the rest (norms, routers, hyper-connection mixers, V4's compressor and indexer) held by every rank
+  (`VLLM_TP_SPLIT`, `vllm_tp_divisor`).
+- The KV cache, `target.vllm_kv_cache_gib` per rank, which vLLM reserves whole (kv_cache_memory_bytes). One engine
+  step takes max_num_batched_tokens = max_model_len = max_tokens_per_forward + 1 tokens (engine.engine_kwargs), and
+  vLLM refuses to start when its KV cache cannot hold one request of max_model_len
+  (v1/core/kv_cache_utils.py check_enough_kv_cache_memory), so it must hold that many tokens of this rank's layers'
+  K and V (an upper bound: MLA's and V4's compressed caches are smaller) plus the captured states, which
+  extract_hidden_states keeps in the KV cache as one more layer, [aux ids, D] a token on every rank, until they are
+  handed over (`vllm_kv_bytes_per_token`).
+- One prefill of max_tokens_per_forward tokens: the same residual / transient / kept-states terms as above
+  (`_activation_bytes`) with the attention heads split by tp too; no attention-score term (vLLM's attention
+  kernels do not materialise L x L scores); the aux states are the kept ones.
 
 Run: python -m pytest -q tests/test_target_sizing.py
 """
