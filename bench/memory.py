@@ -1,6 +1,7 @@
 """Peak memory per trainer rank and per target rank at a preset's shapes, estimated without a GPU.
 
 Run: python bench/memory.py                                  (v4-flash and v4-pro, a few minutes on a small CPU)
+     python bench/memory.py --preset v4-pro --gpu-gib 80 target.pp_size=2 target.vllm_executor=ray  (other GPU)
      python bench/memory.py --preset v4-flash train.activation_checkpointing=false   (overrides as on the CLI)
 
 Trainer: one rank's draft (bf16 parameters, the frozen embedding and LM head as the model stores them), one
@@ -39,7 +40,8 @@ says 284 B parameters); DeepSeek-V4-Pro = the public config.json values as third
 of 3072, top 6, 1 shared, 3 hash-routed layers: glennklockwood.com/garden/DeepSeek-V4-Pro,
 apxml.com/models/deepseek-v4-pro, lab.feimatrix.com's V4-Pro report; the checkpoint stores experts in FP4 and the
 rest in FP8 per the vLLM recipe page). Not read from the checkpoint. Other shapes by override, e.g.
-`python bench/memory.py --preset v4-pro target.pp_size=2 target.vllm_executor=ray` (two nodes a replica).
+`python bench/memory.py --preset v4-pro --gpu-gib 80 target.pp_size=2 target.vllm_executor=ray` (a replica over
+two 8 x H100 nodes; read its "target rank" line: the v4-pro trainer itself needs more than 80 GiB).
 
 Last lines, one per preset:
 memory preset=P trainer_peak_gib=T target_weights_gib=W target_capture_gib=C gpu_gib=M fits=yes|no
@@ -425,12 +427,13 @@ def describe(tm: TrainerMemory) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESET_GPU), action="append")
+    ap.add_argument("--gpu-gib", type=float, help="GPU memory to size for (default: the preset's GPU, PRESET_GPU)")
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every preset (key=value)")
     args = ap.parse_args(argv)
     lines = []
     for preset in args.preset or sorted(PRESET_GPU):
         cfg = load_config(ROOT / "launch" / "configs" / f"{preset}.yaml", args.overrides)
-        gpu, gpu_gib = PRESET_GPU[preset]
+        gpu, gpu_gib = PRESET_GPU[preset] if args.gpu_gib is None else (f"{args.gpu_gib:g} GiB", args.gpu_gib)
         hidden = v4_model_config(preset).hidden_size
         t0 = time.perf_counter()
         tm = trainer_memory(cfg, hidden, 129280)
