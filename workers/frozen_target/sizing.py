@@ -113,7 +113,7 @@ def sharding_plan(model: torch.nn.Module, config: Any, tp_size: int, expert_para
 
 
 def _stored_bytes(name: str, param: torch.Tensor, is_linear: bool, quant: dict, fp4_experts: bool) -> float:
-    """Bytes per element of one parameter as the checkpoint stores it (loaded as is by transformers' quantizer)."""
+    """Bytes per element of one parameter as the checkpoint stores it (kept so by transformers' quantizer and vLLM)."""
     expert = ".experts." in name and param.ndim == 3
     if expert and (fp4_experts or quant.get("quant_method") == "mxfp4"):
         return 0.5 + 1 / 32  # MXFP4: two values a byte, one E8M0 scale per 32
