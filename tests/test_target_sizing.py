@@ -10,6 +10,9 @@ Run: python -m pytest -q tests/test_target_sizing.py
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from dist_helpers import run_ranks
@@ -17,6 +20,9 @@ from transformers import DeepseekV4Config, LlamaConfig
 
 from pipeline.config import RunConfig
 from workers.frozen_target import sizing
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # bench/memory.py: the presets' target configs
 
 V, D, I, L, H, KV = 1000, 64, 128, 2, 4, 2  # a tiny Llama: every parameter counted by hand below
 
@@ -198,3 +204,23 @@ def test_the_tp2_share_is_what_a_real_group_rank_holds():
     held = run_ranks(_local_bytes, 2, path, timeout=300)
     want = sizing.target_memory(_cfg(tp=2), 1.0, AutoConfig.from_pretrained(path)).weights_gib * sizing.GIB
     assert held[0] == held[1] == want
+
+
+def test_the_presets_targets_fit_their_gpus_by_the_vllm_estimate():
+    """launch/configs/v4-{flash,pro}.yaml on the models bench/memory.py sizes (public configs, stored FP8 + FP4):
+    each fits its GPU with the KV cache and step the preset names; v4-pro needs pp 2 on 80 GiB GPUs."""
+    from memory import PRESET_GPU, v4_model_config
+
+    from pipeline.config import load_config
+
+    for preset in ("v4-flash", "v4-pro"):
+        cfg = load_config(ROOT / "launch" / "configs" / f"{preset}.yaml")
+        assert cfg.target.backend == "vllm" and cfg.target.expert_parallel, preset
+        mem = sizing.target_memory(cfg, PRESET_GPU[preset][1], v4_model_config(preset))
+        assert mem.fits and mem.max_tokens_per_forward >= cfg.target.max_tokens_per_forward, (preset, mem)
+    pro = v4_model_config("v4-pro")
+    one_node = load_config(ROOT / "launch" / "configs" / "v4-pro.yaml")
+    assert not sizing.target_memory(one_node, 80, pro).fits
+    two_nodes = load_config(ROOT / "launch" / "configs" / "v4-pro.yaml", ["target.pp_size=2",
+                                                                          "target.vllm_executor=ray"])
+    assert sizing.target_memory(two_nodes, 80, pro).fits
