@@ -1,6 +1,7 @@
 """Peak memory per trainer rank and per target rank at a preset's shapes, estimated without a GPU.
 
 Run: python bench/memory.py                                  (v4-flash and v4-pro, a few minutes on a small CPU)
+     python bench/memory.py --preset v4-pro --gpu-gib 80 target.pp_size=2 target.vllm_executor=ray  (other GPU)
      python bench/memory.py --preset v4-flash train.activation_checkpointing=false   (overrides as on the CLI)
 
 Trainer: one rank's draft (bf16 parameters, the frozen embedding and LM head as the model stores them), one
@@ -26,13 +27,21 @@ plus one gradient bucket (reduce_bucket_size, 5e8 elements in bf16, DeepSpeed's 
 The features of the rank's other micro-batches of the step and of the prefetched next step are added analytically
 ((2 grad_accum - 1) x [T, D] in the training dtype).
 
-Target: `workers.frozen_target.sizing.target_memory(cfg, gpu_gib, model_config)`, the weights counted as the checkpoint
-stores them (V4_STORED). model_config: DeepSeek-V4-Flash = transformers 5.24's DeepseekV4Config defaults (43 layers,
-hidden 4096, 256 experts of 2048, top 6; its public card says 284 B parameters); DeepSeek-V4-Pro = the public
-config.json values as third-party pages quote them (hidden 7168, 61 layers, 128 heads of 512, 1 KV head,
-q_lora_rank 1536, o_lora_rank 1024, 16 output groups, 384 experts of 3072, top 6, 1 shared, 3 hash-routed layers:
-glennklockwood.com/garden/DeepSeek-V4-Pro, apxml.com/models/deepseek-v4-pro, lab.feimatrix.com's V4-Pro report;
-the checkpoint stores experts in FP4 and the rest in FP8 per the vLLM recipe page). Not read from the checkpoint.
+Target: `workers.frozen_target.sizing.target_memory(cfg, gpu_gib, model_config)` for the preset's backend: both
+presets run the target on vLLM (target.backend=vllm), so one line is the largest rank of one vLLM engine of
+tp_size x pp_size GPUs: its share of the weights as the checkpoint stores them (V4_STORED: vLLM keeps DeepSeek-V4's
+FP8 / MXFP4 weights quantized) split as vLLM shards them, then above them (target_capture_gib) the KV cache vLLM
+reserves whole (target.vllm_kv_cache_gib) and one prefill of target.max_tokens_per_forward tokens; fits=yes also
+needs that KV cache to hold one engine step with its captured states (workers/frozen_target/sizing.py's
+docstring). Estimates, not measured: no GPU has run either preset. model_config: DeepSeek-V4-Flash =
+transformers 5.24's DeepseekV4Config defaults (43 layers, hidden 4096, 256 experts of 2048, top 6; its public card
+says 284 B parameters); DeepSeek-V4-Pro = the public config.json values as third-party pages quote them (hidden
+7168, 61 layers, 128 heads of 512, 1 KV head, q_lora_rank 1536, o_lora_rank 1024, 16 output groups, 384 experts
+of 3072, top 6, 1 shared, 3 hash-routed layers: glennklockwood.com/garden/DeepSeek-V4-Pro,
+apxml.com/models/deepseek-v4-pro, lab.feimatrix.com's V4-Pro report; the checkpoint stores experts in FP4 and the
+rest in FP8 per the vLLM recipe page). Not read from the checkpoint. Other shapes by override, e.g.
+`python bench/memory.py --preset v4-pro --gpu-gib 80 target.pp_size=2 target.vllm_executor=ray` (a replica over
+two 8 x H100 nodes; read its "target rank" line: the v4-pro trainer itself needs more than 80 GiB).
 
 Last lines, one per preset:
 memory preset=P trainer_peak_gib=T target_weights_gib=W target_capture_gib=C gpu_gib=M fits=yes|no
@@ -390,14 +399,14 @@ def _v4_architecture(preset: str):
 
 
 def target_fields(cfg: RunConfig, preset: str, gpu_gib: float):
-    """(weights_gib, capture_gib, fits) of one target rank, from workers.frozen_target.sizing."""
+    """(weights_gib, capture_gib, fits, largest forward) of one target rank, from workers.frozen_target.sizing."""
     from workers.frozen_target.sizing import target_memory
 
     tm = target_memory(cfg, gpu_gib, v4_model_config(preset))
-    return tm.weights_gib, tm.capture_gib, bool(tm.fits)
+    return tm.weights_gib, tm.capture_gib, bool(tm.fits), tm.max_tokens_per_forward
 
 
-def memory_line(preset: str, trainer_peak_gib: float, target: tuple[float, float, bool] | None, gpu_gib: float,
+def memory_line(preset: str, trainer_peak_gib: float, target: tuple | None, gpu_gib: float,
                 fits: bool) -> str:
     w, c = ("na", "na") if target is None else (f"{target[0]:.1f}", f"{target[1]:.1f}")
     return (f"memory preset={preset} trainer_peak_gib={trainer_peak_gib:.1f} target_weights_gib={w} "
@@ -418,12 +427,13 @@ def describe(tm: TrainerMemory) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESET_GPU), action="append")
+    ap.add_argument("--gpu-gib", type=float, help="GPU memory to size for (default: the preset's GPU, PRESET_GPU)")
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every preset (key=value)")
     args = ap.parse_args(argv)
     lines = []
     for preset in args.preset or sorted(PRESET_GPU):
         cfg = load_config(ROOT / "launch" / "configs" / f"{preset}.yaml", args.overrides)
-        gpu, gpu_gib = PRESET_GPU[preset]
+        gpu, gpu_gib = PRESET_GPU[preset] if args.gpu_gib is None else (f"{args.gpu_gib:g} GiB", args.gpu_gib)
         hidden = v4_model_config(preset).hidden_size
         t0 = time.perf_counter()
         tm = trainer_memory(cfg, hidden, 129280)
@@ -434,8 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         for line in describe(tm):
             print(line, flush=True)
         target = target_fields(cfg, preset, gpu_gib)
-        print(f"  target rank: weights {target[0]:.1f} GiB as stored, capture {target[1]:.1f} GiB at "
-              f"target.max_tokens_per_forward={cfg.target.max_tokens_per_forward}", flush=True)
+        t = cfg.target
+        above = (f"KV cache ({t.vllm_kv_cache_gib:g} GiB) + prefill" if t.backend == "vllm" else "capture")
+        print(f"  target rank ({t.backend}, tp {t.tp_size} x pp {t.pp_size}): weights "
+              f"{target[0]:.1f} GiB as stored, {above} {target[1]:.1f} GiB at "
+              f"target.max_tokens_per_forward={t.max_tokens_per_forward} (at most {target[3]} fit)", flush=True)
         fits = tm.peak / GIB <= gpu_gib and target[2]
         lines.append(memory_line(preset, tm.peak / GIB, target, gpu_gib, fits))
     for line in lines:

@@ -241,9 +241,8 @@ def test_gpu_groups_and_ray_placement_resources() -> None:
     for group in groups.values():
         assert _gpus(group["template"]) > 0
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    # One target group member per GPU of its pod (a group fills a pod); one trainer rank per GPU.
-    target_gpus = _gpus(groups["target-workers"]["template"])
-    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": target_gpus}
+    # One vLLM engine actor a target pod at most (it holds the pod's GPUs); one trainer rank per GPU.
+    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": 1}
     assert _ray_custom_resources(groups["trainers"]) == {"trainer": _gpus(groups["trainers"]["template"])}
 
 
@@ -353,13 +352,13 @@ def test_cluster_shape_matches_the_launched_config() -> None:
     spec = _only("RayJob")["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     target, trainers = groups["target-workers"], groups["trainers"]
-    # One target group per target pod: tp_size members, each with its GPU, CPUs and unit of custom resource (the
-    # group's STRICT_PACK placement group needs all of them on one node).
+    # The presets run the target on vLLM: num_workers replicas of tp x pp GPUs, whole pods each, one engine actor
+    # (its CPUs and custom resources) a pod at most.
     t = cfg.target
-    assert target["replicas"] == t.num_workers
-    assert _gpus(target["template"]) == t.tp_size * t.gpus_per_worker
-    assert _ray_custom_resources(target) == {k: v * t.tp_size for k, v in t.resources_per_worker.items()}
-    assert _cpus(target["template"]) >= t.cpus_per_worker * t.tp_size
+    assert t.backend == "vllm"
+    assert target["replicas"] == t.num_workers * target_pods_per_replica(cfg, _gpus(target["template"]))
+    assert _ray_custom_resources(target) == t.resources_per_worker
+    assert _cpus(target["template"]) >= t.cpus_per_worker
     # One trainer rank per GPU, each asking for its custom resources and CPUs.
     c = cfg.cluster
     assert c.use_gpu and trainers["replicas"] * _gpus(trainers["template"]) == c.num_trainers
@@ -370,6 +369,75 @@ def test_cluster_shape_matches_the_launched_config() -> None:
     # data set, the target workers load the target.
     head = spec["headGroupSpec"]["template"]
     assert _under(t.path, head) and _under(t.path, target["template"]) and _under(cfg.data.source, head)
+
+
+def target_pods_per_replica(cfg, gpus_per_pod: int) -> int:
+    """Pods of gpus_per_pod GPUs one vLLM replica of the config takes: tp x pp x gpus_per_worker GPUs, whole pods;
+    more than one only with vLLM's "ray" executor (its "mp" workers are processes of one node)."""
+    t = cfg.target
+    gpus = t.tp_size * t.pp_size * t.gpus_per_worker
+    pods, rest = divmod(gpus, gpus_per_pod)
+    if rest or not pods:
+        raise ValueError(f"a replica's {gpus:g} GPUs do not fill whole {gpus_per_pod}-GPU pods")
+    if pods > 1 and t.vllm_executor != "ray":
+        raise ValueError(f"a replica spans {pods:g} pods: that needs target.vllm_executor=ray")
+    return int(pods)
+
+
+def _manifest_nodes(cfg, target_pods: int | None = None) -> list[dict[str, float]]:
+    """The Ray nodes the RayJob's worker groups start (head: no CPUs, no GPUs), as ray.nodes() reports them;
+    target_pods: that many target-worker pods instead of the manifest's replicas (another preset on the same pods)."""
+    spec = _only("RayJob")["spec"]["rayClusterSpec"]
+    nodes = [{"CPU": 0.0}]
+    for group in spec["workerGroupSpecs"]:
+        pods = group["replicas"] if target_pods is None or group["groupName"] != "target-workers" else target_pods
+        node = {"CPU": _cpus(group["template"]), "GPU": float(_gpus(group["template"])),
+                **_ray_custom_resources(group)}
+        nodes += [dict(node) for _ in range(pods)]
+    return nodes
+
+
+def test_launcher_accepts_the_manifest_and_each_preset_on_pods_of_that_shape() -> None:
+    from pipeline.config import load_config
+    from pipeline.errors import InputError
+    from workers.driver import check_cluster_fits
+
+    cfg = _entrypoint_config()
+    check_cluster_fits(cfg, _manifest_nodes(cfg))
+    with pytest.raises(InputError, match="GPUs"):  # one target pod short
+        check_cluster_fits(cfg, _manifest_nodes(cfg, target_pods=_only("RayJob")["spec"]["rayClusterSpec"]
+                                                ["workerGroupSpecs"][0]["replicas"] - 1))
+    gpus_per_pod = _gpus(_only("RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"])
+    # v4-pro on the same 8-GPU pods (its 16 trainers on two trainer pods), one node a replica, and over two nodes
+    # a replica with vLLM's pipeline parallelism: twice the target pods
+    for overrides, pods in (([], 4), (["target.pp_size=2", "target.vllm_executor=ray"], 8)):
+        pro = load_config(REPO / "launch/configs/v4-pro.yaml", overrides)
+        assert pro.target.num_workers * target_pods_per_replica(pro, gpus_per_pod) == pods
+        nodes = _manifest_nodes(pro, target_pods=pods)
+        nodes += [n for n in nodes if "trainer" in n]  # a second trainer pod
+        check_cluster_fits(pro, nodes)
+    with pytest.raises(ValueError, match="vllm_executor=ray"):
+        target_pods_per_replica(load_config(REPO / "launch/configs/v4-pro.yaml", ["target.pp_size=2"]), gpus_per_pod)
+
+
+def test_dockerfile_makes_the_vllm_environment_the_presets_name() -> None:
+    from pipeline.config import load_config
+
+    steps = _dockerfile()
+    args = dict(a.split("=", 1) for w, a in steps if w == "ARG")
+    assert args["VLLM_PACKAGE"] == "vllm==0.32.0"  # vLLM's CUDA wheel, the version of the CPU build tested here
+    runs = [a for w, a in steps if w == "RUN"]
+    (at,) = [i for i, r in enumerate(runs) if "launch/make_vllm_env.py" in r]
+    assert at > [i for i, r in enumerate(runs) if r.startswith("pip install -e /app")][0]
+    make = runs[at]
+    # our torch / NCCL constraints must not bind vLLM's own pins
+    assert make.startswith("env -u PIP_CONSTRAINT python /app/launch/make_vllm_env.py")
+    assert '--dir "${VLLM_ENV}"' in make and '--vllm-package "${VLLM_PACKAGE}"' in make
+    python = f"{args['VLLM_ENV']}/bin/python"
+    assert ("ENV", "DSPARK_VLLM_PYTHON=${VLLM_ENV}/bin/python") in steps
+    for preset in ("v4-flash", "v4-pro"):
+        t = load_config(REPO / f"launch/configs/{preset}.yaml").target
+        assert (t.backend, t.vllm_python) == ("vllm", python), preset
 
 
 # ---- the plain-Job submitter ----------------------------------------------------------------------------------
