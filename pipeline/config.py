@@ -47,7 +47,7 @@ class TargetConfig:
     num_workers: int = 1  # target workers (groups when tp_size > 1) running side by side: data parallel
     # > 1: each target worker is a group of tp_size processes on one node, the target sharded over them by
     # transformers' tensor parallelism (workers/frozen_target/group.py); cpus/gpus/resources_per_worker are then
-    # per process
+    # per process. backend=vllm: gpus/resources_per_worker per engine rank (tp x pp of them), cpus per engine actor
     tp_size: int = 1
     # with tp_size > 1: give each process whole experts (transformers' expert-parallel plan) instead of a slice of
     # every expert; attention and dense layers stay tensor-parallel. Needs a model whose config has an EP plan

@@ -241,8 +241,9 @@ def test_gpu_groups_and_ray_placement_resources() -> None:
     for group in groups.values():
         assert _gpus(group["template"]) > 0
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    # One vLLM engine actor a target pod at most (it holds the pod's GPUs); one trainer rank per GPU.
-    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": 1}
+    # One unit per GPU: a vLLM engine rank takes one (resources_per_worker is per rank), as a trainer rank does.
+    target_gpus = _gpus(groups["target-workers"]["template"])
+    assert _ray_custom_resources(groups["target-workers"]) == {"target_worker": target_gpus}
     assert _ray_custom_resources(groups["trainers"]) == {"trainer": _gpus(groups["trainers"]["template"])}
 
 
@@ -352,12 +353,13 @@ def test_cluster_shape_matches_the_launched_config() -> None:
     spec = _only("RayJob")["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     target, trainers = groups["target-workers"], groups["trainers"]
-    # The presets run the target on vLLM: num_workers replicas of tp x pp GPUs, whole pods each, one engine actor
-    # (its CPUs and custom resources) a pod at most.
+    # The presets run the target on vLLM: num_workers replicas of tp x pp GPUs, whole pods each; custom resources
+    # per engine rank (one per GPU), the engine actor's CPUs a pod at most.
     t = cfg.target
     assert t.backend == "vllm"
     assert target["replicas"] == t.num_workers * target_pods_per_replica(cfg, _gpus(target["template"]))
-    assert _ray_custom_resources(target) == t.resources_per_worker
+    per_pod = _gpus(target["template"]) / t.gpus_per_worker
+    assert _ray_custom_resources(target) == {k: v * per_pod for k, v in t.resources_per_worker.items()}
     assert _cpus(target["template"]) >= t.cpus_per_worker
     # One trainer rank per GPU, each asking for its custom resources and CPUs.
     c = cfg.cluster

@@ -59,12 +59,51 @@ def test_parallelism_and_capture_settings_reach_the_engine_arguments():
     assert engine_kwargs(_target(), [30], "/tmp/x")["distributed_executor_backend"] is None  # vLLM's choice
     plain = engine_kwargs(_target(), None)  # the data stage's generation engine: no capture
     assert "speculative_config" not in plain and "kv_transfer_config" not in plain and plain["seed"] == 0
-    # vLLM's ray executor places the engine's own GPU workers; otherwise the actor holds all tp x pp GPUs
-    assert engine_actor_options({**t, "vllm_python": __import__("sys").executable})["num_gpus"] == 0
-    mp = {**t, "vllm_executor": "mp", "vllm_python": __import__("sys").executable}
+    # vLLM's "mp" executor: the actor holds all tp x pp ranks' GPUs and custom resources (both per engine rank)
+    mp = {**t, "vllm_executor": "mp", "vllm_python": __import__("sys").executable,
+          "resources_per_worker": {"target_worker": 1}}
     opts = engine_actor_options(mp)
-    assert opts["num_gpus"] == 16 and opts["max_task_retries"] == -1
+    assert opts["num_gpus"] == 16 and opts["resources"] == {"target_worker": 16} and opts["max_task_retries"] == -1
     assert opts["runtime_env"]["py_executable"] == mp["vllm_python"]
+
+
+def test_vllms_ray_executor_gets_a_placement_group_of_target_bundles():
+    """With vllm_executor=ray the engine actor sits in bundle 0 of a group of one bundle per engine rank (its GPU
+    and the target nodes' custom resource), capturing child actors: the group vLLM then finds and fills
+    (ray.util.get_current_placement_group in vllm/v1/executor/ray_utils.py), instead of bare GPU bundles that could
+    land on the trainers' GPUs. Checked on a local Ray with logical GPUs."""
+    import sys
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from workers.frozen_target.vllm_worker import engine_bundles
+
+    t = {**_target(tp_size=2, pp_size=2, vllm_executor="ray", gpus_per_worker=1, cpus_per_worker=1),
+         "resources_per_worker": {"target_worker": 1}, "vllm_python": sys.executable}
+    bundles = engine_bundles(t)
+    assert bundles == [{"GPU": 1.0, "target_worker": 1, "CPU": 1.0}] + [{"GPU": 1.0, "target_worker": 1}] * 3
+
+    @ray.remote
+    class Probe:
+        def seen(self):
+            pg = ray.util.get_current_placement_group()
+            return None if pg is None else (pg.id.hex(), pg.bundle_specs)
+
+    ray.init(address="local", num_cpus=2, num_gpus=4, resources={"target_worker": 4}, include_dashboard=False)
+    try:
+        pg = placement_group(bundles, strategy="PACK")
+        opts = engine_actor_options(t, pg)
+        assert opts["num_gpus"] == 0 and "resources" not in opts
+        opts = {k: v for k, v in opts.items() if k != "runtime_env"}  # the probe runs in this environment
+        probe = Probe.options(**opts).remote()
+        pg_id, specs = ray.get(probe.seen.remote(), timeout=60)
+        assert pg_id == pg.id.hex() and [b.get("GPU") for b in specs] == [1.0] * 4
+        assert all(b.get("target_worker") == 1 for b in specs)
+        ray.kill(probe)
+        remove_placement_group(pg)
+    finally:
+        ray.shutdown()
 
 
 def test_layer_ids_map_to_vllm_aux_ids_with_the_lm_head_input_last():

@@ -20,7 +20,7 @@ from launch_helpers import REPO
 from pipeline.config import TargetConfig
 from workers.frozen_target import model as tm
 from workers.frozen_target.vllm_engine.capture_model import ARCH_ENV
-from workers.frozen_target.vllm_worker import VLLM_ENV_DIR, engine_actor_options
+from workers.frozen_target.vllm_worker import VLLM_ENV_DIR, start_engine, stop_engine
 
 pytestmark = [
     pytest.mark.vllm,
@@ -55,19 +55,14 @@ def test_the_plugin_puts_the_capture_wrapper_under_vllms_v4_only_inside_our_engi
 
 
 def test_a_v4_capture_engine_builds_from_deepseeks_published_layout(local_ray, tmp_path):
-    from workers.frozen_target.vllm_engine.engine import VllmEngine
-
     tok = tm.smollm2_tokenizer()
     path = save_deepseek_layout(tiny_v4(tok), tok, tmp_path / "v4")
     target = {**TargetConfig().__dict__, "resolved_path": str(path), "backend": "vllm", "vllm_enforce_eager": True,
               "max_tokens_per_forward": 256, "wire_dtype": "float32", "dtype": "float32"}
-    engine = local_ray.remote(VllmEngine).options(**engine_actor_options(target)).remote(target, [1, 3, -1])
+    engine, pg = start_engine(target, [1, 3, -1])
     try:
         seen = local_ray.get(engine.engine_config.remote(), timeout=600)
     finally:
-        try:
-            local_ray.get(engine.shutdown.remote(), timeout=60)
-        finally:
-            local_ray.kill(engine)
+        stop_engine(engine, pg)
     assert seen["method"] == "extract_hidden_states" and seen["aux_layer_ids"] == [1, 3, -1]
     assert seen["dtype"] == "torch.float32"

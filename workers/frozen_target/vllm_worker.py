@@ -48,19 +48,60 @@ def vllm_python(target: dict[str, Any]) -> str:
     return python
 
 
-def engine_actor_options(target: dict[str, Any]) -> dict[str, Any]:
+def engine_bundles(target: dict[str, Any]) -> list[dict[str, float]]:
+    """vLLM's "ray" executor: the placement group of one engine, a bundle per engine rank (its GPU and
+    `resources_per_worker`, the custom resources that keep it on target nodes), the engine actor's CPUs in the
+    first. vLLM finds the group it was started in (`ray.util.get_current_placement_group`, vllm/v1/executor/
+    ray_utils.py: initialize_ray_cluster) and puts worker i in bundle i; left to itself it would make a group of
+    bare {"GPU": 1} bundles, which may land on the trainers' GPUs."""
+    per_rank = {"GPU": float(target["gpus_per_worker"]), **(target["resources_per_worker"] or {})}
+    bundles = [dict(per_rank) for _ in range(int(target["tp_size"]) * int(target["pp_size"]))]
+    bundles[0]["CPU"] = float(target["cpus_per_worker"])
+    return bundles
+
+
+def engine_actor_options(target: dict[str, Any], placement_group: Any = None) -> dict[str, Any]:
     """Ray options of one engine actor: the vLLM environment, restarts with in-flight calls re-run, resources.
-    With vLLM's "ray" executor the engine's own workers take the GPUs (vLLM's placement group), else this actor
-    holds all tp x pp of them."""
+    `resources_per_worker` and `gpus_per_worker` are per engine rank (as per target-group member on transformers).
+    vLLM's "mp" executor: this actor holds all tp x pp ranks' GPUs and resources, vLLM's workers run beside it.
+    "ray": the engine's own workers take the GPUs, in `placement_group` (engine_bundles), whose first bundle holds
+    this actor and which captures the actors vLLM starts."""
     ranks = int(target["tp_size"]) * int(target["pp_size"])
-    gpus = 0 if target["vllm_executor"] == "ray" else float(target["gpus_per_worker"]) * ranks
     # the actor imports workers.frozen_target.vllm_engine from this checkout (or the job's working dir)
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH", "")]))
-    return {"num_cpus": target["cpus_per_worker"], "num_gpus": gpus,
-            "resources": target["resources_per_worker"] or None, "max_restarts": target["max_restarts"],
-            "max_task_retries": -1,
-            "runtime_env": {"py_executable": vllm_python(target), "env_vars": env}}
+    common = {"num_cpus": target["cpus_per_worker"], "max_restarts": target["max_restarts"], "max_task_retries": -1,
+              "runtime_env": {"py_executable": vllm_python(target), "env_vars": env}}
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {**common, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+    resources = {k: v * ranks for k, v in (target["resources_per_worker"] or {}).items()}
+    return {**common, "num_gpus": float(target["gpus_per_worker"]) * ranks, "resources": resources or None}
+
+
+def start_engine(target: dict[str, Any], layers: list[int] | None) -> tuple[Any, Any]:
+    """(engine actor, its placement group or None): one vLLM engine as the target config places it."""
+    from ray.util.placement_group import placement_group
+
+    from workers.frozen_target.vllm_engine.engine import VllmEngine
+
+    pg = placement_group(engine_bundles(target), strategy="PACK") if target["vllm_executor"] == "ray" else None
+    return ray.remote(VllmEngine).options(**engine_actor_options(target, pg)).remote(target, layers), pg
+
+
+def stop_engine(engine: Any, pg: Any) -> None:
+    """Stop vLLM's own processes first (a dead engine has nothing left to stop), then the actor and its group."""
+    try:
+        ray.get(engine.shutdown.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - a dead engine has nothing left to stop
+        pass
+    ray.kill(engine, no_restart=True)
+    if pg is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
 
 
 def _from_bytes(raw: bytes, dtype: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -124,14 +165,14 @@ class VllmTarget:
     """One target replica on vLLM: an engine actor in the vLLM environment plus the assembly on our side."""
 
     def __init__(self, index: int, target: dict[str, Any], layers: list[int]) -> None:
-        from workers.frozen_target.vllm_engine.engine import FINAL, VllmEngine, aux_layer_ids, first_aux_id
+        from workers.frozen_target.vllm_engine.engine import FINAL, aux_layer_ids, first_aux_id
 
         self.index, self._target, self._layers = index, target, list(layers)
         cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
         cfg = cfg.get("text_config", cfg)
         aux_layer_ids(self._layers, int(cfg["num_hidden_layers"]), first_aux_id(cfg))  # one line, before vLLM starts
         self._ctx_is_final = self._layers == [FINAL]
-        self.engine = ray.remote(VllmEngine).options(**engine_actor_options(target)).remote(target, self._layers)
+        self.engine, self._pg = start_engine(target, self._layers)
         path = target["resolved_path"]
         self.encode = Method(self._encode)
         self.info = Method(lambda: ray.put(checkpoint_dims(path)))
@@ -148,11 +189,7 @@ class VllmTarget:
         return [self.engine]
 
     def kill(self) -> None:
-        try:
-            ray.get(self.engine.shutdown.remote(), timeout=60)  # stops vLLM's own processes first
-        except Exception:  # noqa: BLE001 - a dead engine has nothing left to stop
-            pass
-        ray.kill(self.engine, no_restart=True)
+        stop_engine(self.engine, self._pg)
 
 
 class VllmGenerator:
@@ -185,9 +222,7 @@ def start_generation_engines(target_path: str | os.PathLike, dtype: str, num: in
     """`num` vLLM generation engines (no capture) for the data stage; `target_keys` override TargetConfig fields
     (e.g. tp_size, vllm_enforce_eager)."""
     from pipeline.config import TargetConfig
-    from workers.frozen_target.vllm_engine.engine import VllmEngine
 
     target = {**TargetConfig().__dict__, "backend": "vllm", "dtype": dtype, **target_keys,
               "resolved_path": str(target_path)}
-    actor = ray.remote(VllmEngine).options(**engine_actor_options(target))
-    return [actor.remote(target, None) for _ in range(num)]
+    return [start_engine(target, None)[0] for _ in range(num)]
