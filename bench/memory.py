@@ -1,7 +1,7 @@
 """Peak memory per trainer rank and per target rank at a preset's shapes, estimated without a GPU.
 
 Run: python bench/memory.py                                  (v4-flash and v4-pro, a few minutes on a small CPU)
-     python bench/memory.py --preset v4-pro --gpu-gib 80 target.pp_size=2 target.vllm_executor=ray  (other GPU)
+     python bench/memory.py --preset v4-pro --gpu-gib 80 target.tp_size=16 target.vllm_executor=ray  (other GPU)
      python bench/memory.py --preset v4-flash train.activation_checkpointing=false   (overrides as on the CLI)
 
 Trainer: one rank's draft (bf16 parameters, the frozen embedding and LM head as the model stores them), one
@@ -40,7 +40,7 @@ says 284 B parameters); DeepSeek-V4-Pro = the public config.json values as third
 of 3072, top 6, 1 shared, 3 hash-routed layers: glennklockwood.com/garden/DeepSeek-V4-Pro,
 apxml.com/models/deepseek-v4-pro, lab.feimatrix.com's V4-Pro report; the checkpoint stores experts in FP4 and the
 rest in FP8 per the vLLM recipe page). Not read from the checkpoint. Other shapes by override, e.g.
-`python bench/memory.py --preset v4-pro --gpu-gib 80 target.pp_size=2 target.vllm_executor=ray` (a replica over
+`python bench/memory.py --preset v4-pro --gpu-gib 80 target.tp_size=16 target.vllm_executor=ray` (a replica over
 two 8 x H100 nodes; read its "target rank" line: the v4-pro trainer itself needs more than 80 GiB).
 
 Last lines, one per preset:

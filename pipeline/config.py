@@ -60,7 +60,7 @@ class TargetConfig:
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # Ray custom resources (k8s groups)
     max_tokens_per_forward: int = 8192
     # backend=vllm only. tp_size / expert_parallel above are vLLM's tensor_parallel_size / enable_expert_parallel
-    pp_size: int = 1  # vLLM's pipeline_parallel_size
+    pp_size: int = 1  # vLLM's pipeline_parallel_size; 1 only for now (config check below says why)
     vllm_python: str = ""  # the vLLM environment's interpreter; "" = $DSPARK_VLLM_PYTHON or launch/make_vllm_env.py's
     vllm_executor: str = ""  # distributed_executor_backend: "" = vLLM's choice, "mp", "ray" (workers on this cluster)
     vllm_enforce_eager: bool = False  # no torch.compile / CUDA graphs: faster start, slower steps (tests)
@@ -205,6 +205,13 @@ class RunConfig:
              "target.pp_size and target.vllm_executor are vLLM's: set target.backend=vllm or leave them at 1 / ''"),
             (t.backend == "transformers" or not t.device_map,
              "target.device_map must be empty with target.backend=vllm (vLLM places the target itself)"),
+            (t.pp_size == 1,
+             "target.pp_size must be 1: vLLM 0.32's hidden-states capture (extract_hidden_states and its connector) "
+             "builds its capture layer on the last pipeline stage only and fails on the others; span nodes with "
+             "target.tp_size and target.vllm_executor=ray instead (docs/vllm-target.md)"),
+            (t.vllm_executor != "ray" or t.gpus_per_worker == 1,
+             "target.gpus_per_worker must be 1 with target.vllm_executor=ray: vLLM puts one worker on one GPU "
+             "per placement-group bundle"),
             (t.backend == "transformers" or self.data.max_len <= t.max_tokens_per_forward,
              f"target.max_tokens_per_forward ({t.max_tokens_per_forward}) must be >= data.max_len "
              f"({self.data.max_len}) with target.backend=vllm: one engine step must prefill the longest sample"),

@@ -40,6 +40,7 @@ from pipeline.export import read_export, write_export_dir
 from serving._io import SAFETENSORS_INDEX as INDEX
 from serving._io import safetensors_weight_map
 from serving.dsv4_gguf_export import require_resolved_dsv4
+from serving.layer_ids import check_target_layers
 
 QK = 32  # values per MXFP4 block (one E8M0 scale each)
 # DeepSeek-V4's sparse-attention indexer and compressor keys: unused by the drafter (its stages are uncompressed,
@@ -155,10 +156,11 @@ def merge_into_checkpoint(export_dir: str | Path, target_dir: str | Path, out_di
         raise ValueError(f"{src}/config.json: architectures {target.get('architectures')}; the drafter joins a "
                          "DeepseekV4ForCausalLM checkpoint (write a standalone one with --format deepseek-v4)")
     ours = deepseek_config(cfg, target["num_hidden_layers"])
-    for k in cfg.target_layers:  # a DeepSeek-V4 target exposes layer inputs 0..L-1 and its final state, L
+    for k in cfg.target_layers:  # hidden states 1..L-1: what vLLM's DeepSeek-V4 hands its DSpark drafter
         if not 0 <= k <= target["num_hidden_layers"]:
             raise ValueError(f"the drafter reads target layer {k}; {src} has {target['num_hidden_layers']} layers "
                              "(it was trained for another target)")
+    check_target_layers(cfg, int(target["num_hidden_layers"]), int(target.get("hc_mult", 1) or 1))
     for key in SHARED_KEYS:
         theirs = target.get(key)
         same = theirs == ours[key] or (isinstance(theirs, float) and isinstance(ours[key], float)

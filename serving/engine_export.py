@@ -34,6 +34,7 @@ import torch
 
 from draft_model.config import FINAL_HIDDEN, DraftConfig
 from pipeline.export import read_export, write_export_dir
+from serving.layer_ids import NotServable, check_target_layers
 
 FORMATS = ("deepspec", "speculators", "dflash")
 # the reader of each layout-sensitive format, and the layout it reads (docs/vllm-serving.md): vLLM's V1 DFlash
@@ -43,10 +44,6 @@ LAYOUT_READERS = {"dflash": ("bonus_anchor", "vllm/v1/spec_decode/dflash.py")}
 DEEPSEEK_V4 = "deepseek-v4"  # arch dsv4's checkpoint layout (serving/deepseek_checkpoint.py)
 STS_FILE = "sts_calibration.json"
 SERVABLE_PRESETS = "dspark-markov (Markov head + confidence) or dflash (no sequential head)"
-
-
-class NotServable(ValueError):
-    """The draft cannot be written in the asked format faithfully; the message says why and what can."""
 
 
 def check_servable(cfg: DraftConfig, fmt: str, drop_confidence: bool = False) -> None:
@@ -201,6 +198,7 @@ def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, t
 
     cfg, state, _ = read_export(export_dir)
     check_servable(cfg, fmt, drop_confidence)
+    check_target_layers(cfg, int(target["num_hidden_layers"]), int(target.get("hc_mult", 1)))
     drop_confidence = drop_confidence or fmt == "dflash"  # vLLM's DFlash model has no confidence head
     if cfg.mask_token_id < 0 or not cfg.vocab_size:
         raise NotServable(f"{export_dir}: the draft config was never resolved against a target (mask_token_id "
@@ -232,7 +230,8 @@ def target_facts(target_dir: str | Path, name_or_path: str | None = None) -> dic
     tc = json.loads(p.read_text())
     tc = {**tc, **tc.get("text_config", {})}
     return {"num_hidden_layers": tc["num_hidden_layers"], "max_position_embeddings": tc.get("max_position_embeddings"),
-            "architectures": tc.get("architectures") or [], "name_or_path": name_or_path or str(target_dir)}
+            "architectures": tc.get("architectures") or [], "name_or_path": name_or_path or str(target_dir),
+            "hc_mult": int(tc.get("hc_mult", 1) or 1)}
 
 
 def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str | Path, target_name: str,

@@ -223,19 +223,24 @@ def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_draf
     converter, given that directory alone, writes the drafter GGUF our direct writer writes (MXFP4 experts, the
     converter's window W). A shared hyper-parameter that differs is refused by name."""
     from serving.deepseek_checkpoint import merge_into_checkpoint
+    from serving.engine_export import NotServable
 
     V = 49152
-    # context layer 2: the 2-layer target's final state
-    export, cfg, state = _export(tmp_path, export_random_dsv4, V, 64, target_layers=[1, 2])
+    # context layer 1, the first layer's output (the streams' mean): the one a 2-layer V4 target hands a drafter
+    export, cfg, state = _export(tmp_path, export_random_dsv4, V, 64, target_layers=[1])
     target = _tiny_deepseek_v4_target(tmp_path / "dsv4-target", cfg)
     merged = merge_into_checkpoint(export, target, tmp_path / "merged")
     conf = json.loads((merged / "config.json").read_text())
-    assert conf["dspark_target_layer_ids"] == [0, 1] and conf["dspark_block_size"] == 4
+    assert conf["dspark_target_layer_ids"] == [0] and conf["dspark_block_size"] == 4
+    # our 2 (= L) is the final state after hc_head and the norm; the engines' id L is the streams' mean before them
+    final, *_ = _export(tmp_path / "final", export_random_dsv4, V, 64, target_layers=[1, 2])
+    with pytest.raises(NotServable, match="holds 2 \\(= num_hidden_layers\\), the target's final state"):
+        merge_into_checkpoint(final, target, tmp_path / "merged-final")
     assert (merged / "model.safetensors").is_symlink()  # the target's weights are linked, not copied
     converted = llamacpp.convert(merged, tmp_path / "converted.gguf", merged, extra=("--dspark",))
     facts = TargetFacts(arch="deepseek4", hidden_size=64, num_layers=2, vocab_size=V, tokenizer={})
     _, b = _same_tensors_as_our_mxfp4_gguf(converted, tmp_path, cfg, state, facts)  # none of the target's own
-    assert b.fields["dflash.target_layers"].contents() == [1, 2] and b.fields["dflash.block_count"].contents() == 2
+    assert b.fields["dflash.target_layers"].contents() == [1] and b.fields["dflash.block_count"].contents() == 2
     assert b.fields["dflash.attention.sliding_window"].contents() == 16
 
     # trained on a deeper target's layer 3

@@ -404,3 +404,21 @@ def test_a_bonus_anchor_draft_exports_as_vllms_dflash_and_flags_its_layout_in_de
     assert ds["sample_from_anchor"] is False and ds["dspark_bonus_anchor"] is True
     anchor = engine_config(_draft("dflash").cfg, "deepspec", TARGET, drop_confidence=True)
     assert anchor["sample_from_anchor"] is True and anchor["dspark_bonus_anchor"] is False
+
+
+def test_a_context_layer_the_engines_do_not_hand_over_is_refused_by_name():
+    """Our L (the target's final state after its norm, and on DeepSeek-V4 after hc_head) is not vLLM's aux id L (the
+    last layer's output before them), and vLLM's DeepSeek-V4 captures no embeddings (0): both are refused at export,
+    in one line, instead of serving the draft other features than it trained on."""
+    from draft_model.presets import draft_preset
+    from serving.engine_export import NotServable, check_target_layers
+
+    cfg = draft_preset("dspark-markov")
+    cfg.target_layers = [0, 7, 15]
+    check_target_layers(cfg, 30)  # a Llama-style target: 0..L-1 are served as trained
+    with pytest.raises(NotServable, match="holds 0 \\(the embeddings\\) for a DeepSeek-V4 target") as e:
+        check_target_layers(cfg, 30, hc_mult=4)
+    assert "\n" not in str(e.value)
+    cfg.target_layers = [7, 30]
+    with pytest.raises(NotServable, match="holds 30 \\(= num_hidden_layers\\)"):
+        check_target_layers(cfg, 30)

@@ -411,15 +411,15 @@ def test_launcher_accepts_the_manifest_and_each_preset_on_pods_of_that_shape() -
                                                 ["workerGroupSpecs"][0]["replicas"] - 1))
     gpus_per_pod = _gpus(_only("RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"])
     # v4-pro on the same 8-GPU pods (its 16 trainers on two trainer pods), one node a replica, and over two nodes
-    # a replica with vLLM's pipeline parallelism: twice the target pods
-    for overrides, pods in (([], 4), (["target.pp_size=2", "target.vllm_executor=ray"], 8)):
+    # a replica with vLLM's tensor parallelism over Ray: twice the target pods
+    for overrides, pods in (([], 4), (["target.tp_size=16", "target.vllm_executor=ray"], 8)):
         pro = load_config(REPO / "launch/configs/v4-pro.yaml", overrides)
         assert pro.target.num_workers * target_pods_per_replica(pro, gpus_per_pod) == pods
         nodes = _manifest_nodes(pro, target_pods=pods)
         nodes += [n for n in nodes if "trainer" in n]  # a second trainer pod
         check_cluster_fits(pro, nodes)
     with pytest.raises(ValueError, match="vllm_executor=ray"):
-        target_pods_per_replica(load_config(REPO / "launch/configs/v4-pro.yaml", ["target.pp_size=2"]), gpus_per_pod)
+        target_pods_per_replica(load_config(REPO / "launch/configs/v4-pro.yaml", ["target.tp_size=16"]), gpus_per_pod)
 
 
 def test_dockerfile_makes_the_vllm_environment_the_presets_name() -> None:

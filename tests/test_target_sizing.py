@@ -221,6 +221,6 @@ def test_the_presets_targets_fit_their_gpus_by_the_vllm_estimate():
     pro = v4_model_config("v4-pro")
     one_node = load_config(ROOT / "launch" / "configs" / "v4-pro.yaml")
     assert not sizing.target_memory(one_node, 80, pro).fits
-    two_nodes = load_config(ROOT / "launch" / "configs" / "v4-pro.yaml", ["target.pp_size=2",
+    two_nodes = load_config(ROOT / "launch" / "configs" / "v4-pro.yaml", ["target.tp_size=16",
                                                                           "target.vllm_executor=ray"])
     assert sizing.target_memory(two_nodes, 80, pro).fits

@@ -27,12 +27,14 @@ def test_backend_defaults_to_transformers_and_bad_values_are_one_line():
     assert load_config(None).target.backend == "transformers"
     assert load_config(None, ["target.backend=vllm"]).target.backend == "vllm"
     for override, match in [("target.backend=sglang", "target.backend"),
-                            ("target.pp_size=2", "target.pp_size and target.vllm_executor are vLLM's"),
+                            ("target.vllm_executor=ray", "target.pp_size and target.vllm_executor are vLLM's"),
                             ("target.vllm_transport=nfs", "target.vllm_transport"),
                             ("target.vllm_executor=slurm", "target.vllm_executor")]:
         with pytest.raises((ValueError, ConfigError), match=match) as e:
             load_config(None, [override])
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="target.pp_size must be 1: vLLM 0.32's hidden-states capture"):
+        load_config(None, ["target.backend=vllm", "target.pp_size=2"])
     with pytest.raises(ValueError, match="max_tokens_per_forward .* must be >= data.max_len"):
         load_config(None, ["target.backend=vllm", "data.max_len=512", "target.max_tokens_per_forward=256"])
     with pytest.raises(ValueError, match="device_map must be empty with target.backend=vllm"):
@@ -45,7 +47,8 @@ def _target(**over) -> dict:
 
 
 def test_parallelism_and_capture_settings_reach_the_engine_arguments():
-    t = _target(tp_size=8, pp_size=2, expert_parallel="true", vllm_executor="ray", gpus_per_worker=1)
+    # pp_size > 1 is refused by the config (vLLM 0.32's capture); the argument still reaches vLLM as given
+    t = {**_target(tp_size=8, expert_parallel="true", vllm_executor="ray", gpus_per_worker=1), "pp_size": 2}
     kw = engine_kwargs(t, [2, 15, FINAL_AUX_ID], "/tmp/x")
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (8, 2)
     assert kw["enable_expert_parallel"] is True and kw["distributed_executor_backend"] == "ray"
@@ -70,16 +73,16 @@ def test_parallelism_and_capture_settings_reach_the_engine_arguments():
 def test_vllms_ray_executor_gets_a_placement_group_of_target_bundles():
     """With vllm_executor=ray the engine actor sits in bundle 0 of a group of one bundle per engine rank (its GPU
     and the target nodes' custom resource), capturing child actors: the group vLLM then finds and fills
-    (ray.util.get_current_placement_group in vllm/v1/executor/ray_utils.py), instead of bare GPU bundles that could
+    (vllm/engine/arg_utils.py: create_engine_config, in the engine actor), instead of bare GPU bundles that could
     land on the trainers' GPUs. Checked on a local Ray with logical GPUs."""
     import sys
 
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
-    from workers.frozen_target.vllm_worker import engine_bundles
+    from workers.frozen_target.vllm_worker import engine_bundles, engine_placement_group
 
-    t = {**_target(tp_size=2, pp_size=2, vllm_executor="ray", gpus_per_worker=1, cpus_per_worker=1),
+    t = {**_target(tp_size=4, vllm_executor="ray", gpus_per_worker=1, cpus_per_worker=1),
          "resources_per_worker": {"target_worker": 1}, "vllm_python": sys.executable}
     bundles = engine_bundles(t)
     assert bundles == [{"GPU": 1.0, "target_worker": 1, "CPU": 1.0}] + [{"GPU": 1.0, "target_worker": 1}] * 3
@@ -92,7 +95,7 @@ def test_vllms_ray_executor_gets_a_placement_group_of_target_bundles():
 
     ray.init(address="local", num_cpus=2, num_gpus=4, resources={"target_worker": 4}, include_dashboard=False)
     try:
-        pg = placement_group(bundles, strategy="PACK")
+        pg = engine_placement_group(t, name="replica-0")
         opts = engine_actor_options(t, pg)
         assert opts["num_gpus"] == 0 and "resources" not in opts
         opts = {k: v for k, v in opts.items() if k != "runtime_env"}  # the probe runs in this environment
@@ -101,7 +104,14 @@ def test_vllms_ray_executor_gets_a_placement_group_of_target_bundles():
         assert pg_id == pg.id.hex() and [b.get("GPU") for b in specs] == [1.0] * 4
         assert all(b.get("target_worker") == 1 for b in specs)
         ray.kill(probe)
-        remove_placement_group(pg)
+        # a restarted feature service asks again under the same name: the old group is removed, not left holding
+        # the GPUs while the new one waits
+        again = engine_placement_group(t, name="replica-0")
+        assert ray.get(again.ready(), timeout=60) and again.id != pg.id
+        states = {g["placement_group_id"]: g["state"] for g in ray.util.placement_group_table().values()}
+        assert states[pg.id.hex()] == "REMOVED" and states[again.id.hex()] == "CREATED"
+        assert engine_placement_group({**t, "vllm_executor": "mp"}) is None
+        remove_placement_group(again)
     finally:
         ray.shutdown()
 
@@ -201,25 +211,26 @@ def test_cluster_check_counts_a_vllm_replica_s_gpus_and_lets_vllm_s_ray_executor
     from pipeline.errors import InputError
     from workers.driver import check_cluster_fits
 
-    over = ["target.backend=vllm", "target.num_workers=1", "target.tp_size=8", "target.pp_size=2",
-            "target.gpus_per_worker=1", "target.cpus_per_worker=8", "cluster.num_trainers=8", "cluster.use_gpu=true"]
+    over = ["target.backend=vllm", "target.num_workers=1", "target.tp_size=16", "target.gpus_per_worker=1",
+            "target.cpus_per_worker=8", "cluster.num_trainers=8", "cluster.use_gpu=true"]
     small = {"CPU": 64.0, "GPU": 8.0}
     check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 3)  # 16 + 8 GPUs
     with pytest.raises(InputError, match=r"^the run needs 24 GPUs"):
         check_cluster_fits(load_config(None, [*over, "target.vllm_executor=ray"]), [small] * 2)
-    with pytest.raises(InputError, match=r"needs 16 GPUs on one node \(target.tp_size=8 x target.pp_size=2 x "
+    with pytest.raises(InputError, match=r"needs 16 GPUs on one node \(target.tp_size=16 x target.pp_size=1 x "
                                          r"target.gpus_per_worker=1\) but the largest node has 8$"):
         check_cluster_fits(load_config(None, [*over, "target.vllm_executor=mp"]), [small] * 3)
-    # tp=1, pp=2 on the mp executor: both pipeline stages are one engine's processes on one node
-    pp_only = ["target.backend=vllm", "target.tp_size=1", "target.pp_size=2", "target.gpus_per_worker=1",
-               "target.vllm_executor=mp"]
-    check_cluster_fits(load_config(None, pp_only), [{"CPU": 8.0, "GPU": 2.0}])
-    with pytest.raises(InputError, match=r"^a target group needs 2 GPUs on one node \(target.tp_size=1 x "
-                                         r"target.pp_size=2 x target.gpus_per_worker=1\) but the largest node has 1$"):
-        check_cluster_fits(load_config(None, pp_only), [{"CPU": 8.0, "GPU": 1.0}] * 2)
-    with pytest.raises(InputError, match=r"^the run needs 2 GPUs \(target.num_workers=1 x target.tp_size=1 x "
-                                         r"target.pp_size=2 x target.gpus_per_worker=1, plus 0 for 2 trainer"):
-        check_cluster_fits(load_config(None, pp_only), [{"CPU": 8.0, "GPU": 1.0}])
+    # tp=2 on the mp executor: both ranks are one engine's processes on one node
+    mp = ["target.backend=vllm", "target.tp_size=2", "target.gpus_per_worker=1", "target.vllm_executor=mp"]
+    check_cluster_fits(load_config(None, mp), [{"CPU": 8.0, "GPU": 2.0}])
+    with pytest.raises(InputError, match=r"^a target group needs 2 GPUs on one node \(target.tp_size=2 x "
+                                         r"target.pp_size=1 x target.gpus_per_worker=1\) but the largest node has 1$"):
+        check_cluster_fits(load_config(None, mp), [{"CPU": 8.0, "GPU": 1.0}] * 2)
+    with pytest.raises(InputError, match=r"^the run needs 2 GPUs \(target.num_workers=1 x target.tp_size=2 x "
+                                         r"target.pp_size=1 x target.gpus_per_worker=1, plus 0 for 2 trainer"):
+        check_cluster_fits(load_config(None, mp), [{"CPU": 8.0, "GPU": 1.0}])
+    with pytest.raises(ValueError, match="gpus_per_worker must be 1 with target.vllm_executor=ray"):
+        load_config(None, ["target.backend=vllm", "target.vllm_executor=ray", "target.gpus_per_worker=0.5"])
 
 
 def test_what_a_killed_engine_left_behind_is_removed_by_the_next_one():

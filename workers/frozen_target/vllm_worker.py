@@ -51,9 +51,11 @@ def vllm_python(target: dict[str, Any]) -> str:
 def engine_bundles(target: dict[str, Any]) -> list[dict[str, float]]:
     """vLLM's "ray" executor: the placement group of one engine, a bundle per engine rank (its GPU and
     `resources_per_worker`, the custom resources that keep it on target nodes), the engine actor's CPUs in the
-    first. vLLM finds the group it was started in (`ray.util.get_current_placement_group`, vllm/v1/executor/
-    ray_utils.py: initialize_ray_cluster) and puts worker i in bundle i; left to itself it would make a group of
-    bare {"GPU": 1} bundles, which may land on the trainers' GPUs."""
+    first. vLLM takes the group the engine actor was started in (`EngineArgs.create_engine_config` sets
+    `parallel_config.placement_group` from it, vllm/engine/arg_utils.py; vllm/v1/executor/ray_utils.py:
+    initialize_ray_cluster uses it) and places its workers on the group's GPU bundles (ordered by node, the
+    engine's node first); left to itself it would make a group of bare {"GPU": 1} bundles, which may land on the
+    trainers' GPUs."""
     per_rank = {"GPU": float(target["gpus_per_worker"]), **(target["resources_per_worker"] or {})}
     bundles = [dict(per_rank) for _ in range(int(target["tp_size"]) * int(target["pp_size"]))]
     bundles[0]["CPU"] = float(target["cpus_per_worker"])
@@ -81,13 +83,28 @@ def engine_actor_options(target: dict[str, Any], placement_group: Any = None) ->
     return {**common, "num_gpus": float(target["gpus_per_worker"]) * ranks, "resources": resources or None}
 
 
-def start_engine(target: dict[str, Any], layers: list[int] | None) -> tuple[Any, Any]:
-    """(engine actor, its placement group or None): one vLLM engine as the target config places it."""
-    from ray.util.placement_group import placement_group
+def engine_placement_group(target: dict[str, Any], name: str = "") -> Any:
+    """vLLM's "ray" executor: the engine's placement group (engine_bundles), else None. `name`: its name within this
+    Ray job; a group of that name left by an earlier owner (a restarted feature service: Ray frees a group only when
+    its creator and its job are both gone) is removed first, so it does not hold the target GPUs while the new one
+    waits for them."""
+    if target["vllm_executor"] != "ray":
+        return None
+    from ray.util.placement_group import placement_group, remove_placement_group
 
+    if name:
+        try:
+            remove_placement_group(ray.util.get_placement_group(name))
+        except ValueError:  # none of that name
+            pass
+    return placement_group(engine_bundles(target), strategy="PACK", name=name)
+
+
+def start_engine(target: dict[str, Any], layers: list[int] | None, name: str = "") -> tuple[Any, Any]:
+    """(engine actor, its placement group or None): one vLLM engine as the target config places it."""
     from workers.frozen_target.vllm_engine.engine import VllmEngine
 
-    pg = placement_group(engine_bundles(target), strategy="PACK") if target["vllm_executor"] == "ray" else None
+    pg = engine_placement_group(target, name)
     return ray.remote(VllmEngine).options(**engine_actor_options(target, pg)).remote(target, layers), pg
 
 
@@ -172,7 +189,8 @@ class VllmTarget:
         cfg = cfg.get("text_config", cfg)
         aux_layer_ids(self._layers, int(cfg["num_hidden_layers"]), first_aux_id(cfg))  # one line, before vLLM starts
         self._ctx_is_final = self._layers == [FINAL]
-        self.engine, self._pg = start_engine(target, self._layers)
+        job = ray.get_runtime_context().get_job_id()
+        self.engine, self._pg = start_engine(target, self._layers, name=f"dspark-vllm-target-{job}-{index}")
         path = target["resolved_path"]
         self.encode = Method(self._encode)
         self.info = Method(lambda: ray.put(checkpoint_dims(path)))

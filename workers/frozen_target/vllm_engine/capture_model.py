@@ -28,11 +28,20 @@ PREFIX = "DSparkCapture"
 _classes: dict[str, type] = {}
 
 
+def builtin(arch: str) -> bool:
+    """Whether vLLM has its own class for `arch` (the wrapper subclasses it; an architecture vLLM runs only through
+    its Transformers backend has none, and registering one would take that fallback away)."""
+    from vllm.model_executor.models import registry
+
+    return arch in registry._VLLM_MODELS
+
+
 def register() -> None:
     """Point vLLM's registry entry of $VLLM_DSPARK_CAPTURE_ARCH at its capture wrapper (lazily: the wrapper, and
-    the engine's class under it, are imported when vLLM loads the model)."""
+    the engine's class under it, are imported when vLLM loads the model). An architecture without a class of vLLM's
+    own is left alone; engine.VllmEngine refuses it in one line before vLLM starts."""
     arch = os.environ.get(ARCH_ENV, "")
-    if not arch:
+    if not arch or not builtin(arch):
         return
     from vllm import ModelRegistry
 

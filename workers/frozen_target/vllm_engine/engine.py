@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from workers.frozen_target.vllm_engine.capture_model import ARCH_ENV, FINAL_AUX_ID
+from workers.frozen_target.vllm_engine.capture_model import ARCH_ENV, FINAL_AUX_ID, builtin
 from workers.frozen_target.vllm_engine.transfer import read_states, remove_leftovers, storage_dir
 
 FINAL = -1  # our "final pre-LM-head state" (draft_model.config.FINAL_HIDDEN; not imported: vLLM env)
@@ -102,6 +102,10 @@ def check_plugin() -> None:
     if "dspark_capture" not in entry_points(group="vllm.general_plugins").names:
         raise RuntimeError(f"the vLLM environment {sys.prefix} lacks dspark-train's capture plugin: run "
                            "`python launch/make_vllm_env.py` again (it adds only that)")
+    allowed = os.environ.get("VLLM_PLUGINS")  # vLLM's allow-list of plugins, when set
+    if allowed is not None and "dspark_capture" not in allowed.split(","):
+        raise RuntimeError(f"VLLM_PLUGINS={allowed!r} leaves out dspark_capture, the plugin the hidden-state capture "
+                           "needs: add it to the list or unset VLLM_PLUGINS")
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -123,7 +127,12 @@ class VllmEngine:
         cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
         if layers is not None:  # the capture wrapper, registered in vLLM's processes by our plugin
             check_plugin()
-            os.environ[ARCH_ENV] = cfg["architectures"][0]
+            arch = cfg["architectures"][0]
+            if not builtin(arch):
+                raise ValueError(f"target.backend=vllm: {arch} has no model class of vLLM's own (vLLM would run it "
+                                 "through its Transformers backend), which the capture wrapper needs; use "
+                                 "target.backend=transformers")
+            os.environ[ARCH_ENV] = arch
         cfg = cfg.get("text_config", cfg)
         self.num_layers = int(cfg["num_hidden_layers"])
         self.wire_dtype = getattr(torch, target["wire_dtype"])
@@ -150,7 +159,10 @@ class VllmEngine:
                 "distributed_executor_backend": str(p.distributed_executor_backend),
                 "enable_prefix_caching": c.cache_config.enable_prefix_caching,
                 "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
-                "aux_layer_ids": list(self.aux_ids), "method": c.speculative_config.method,
+                # what vLLM resolved from our config, not our own copy
+                "aux_layer_ids": list(c.speculative_config.draft_model_config.hf_config
+                                      .eagle_aux_hidden_state_layer_ids),
+                "method": c.speculative_config.method,
                 "kv_connector": c.kv_transfer_config.kv_connector, "dtype": str(c.model_config.dtype)}
 
     def encode(self, token_lists: list[list[int]]) -> dict[str, Any]:
