@@ -110,7 +110,7 @@ def test_vllms_ray_executor_gets_a_placement_group_of_target_bundles():
         assert ray.get(again.ready(), timeout=60) and again.id != pg.id
         states = {g["placement_group_id"]: g["state"] for g in ray.util.placement_group_table().values()}
         assert states[pg.id.hex()] == "REMOVED" and states[again.id.hex()] == "CREATED"
-        assert engine_placement_group({**t, "vllm_executor": "mp"}) is None
+        assert engine_placement_group({**t, "vllm_executor": "mp"}, "replica-1") is None
         remove_placement_group(again)
     finally:
         ray.shutdown()
@@ -281,3 +281,40 @@ def test_embeddings_are_read_in_both_checkpoint_layouts_and_a_quantized_head_is_
     with pytest.raises(ValueError, match="head.weight is stored as torch.float8_e4m3fn") as err:
         checkpoint_embeddings(tmp_path / "fp8", "float32")
     assert "\n" not in str(err.value)
+
+
+def test_placement_group_names_survive_an_actor_restart_and_differ_elsewhere():
+    """A restarted feature service (same actor id) asks for its groups under the same names, so the stale ones are
+    removed (workers/frozen_target/placement.py); a driver or another actor gets names of its own."""
+    import time
+
+    import ray
+
+    from workers.frozen_target.placement import group_name
+
+    @ray.remote(max_restarts=1)
+    class Owner:
+        def name(self):
+            return group_name("vllm-target", 0)
+
+        def die(self):
+            import os
+
+            os._exit(1)
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        owner = Owner.remote()
+        before = ray.get(owner.name.remote(), timeout=60)
+        owner.die.remote()
+        for _ in range(60):  # the restarted actor (same id) answers again
+            try:
+                after = ray.get(owner.name.remote(), timeout=10)
+                break
+            except ray.exceptions.RayActorError:
+                time.sleep(1)
+        assert after == before and before.endswith("-0") and before.startswith("dspark-vllm-target-")
+        assert ray.get(Owner.remote().name.remote(), timeout=60) != before  # another owner
+        assert group_name("vllm-target", 0) != group_name("vllm-target", 0)  # outside an actor: unique per call
+    finally:
+        ray.shutdown()

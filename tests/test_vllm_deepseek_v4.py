@@ -59,7 +59,7 @@ def test_a_v4_capture_engine_builds_from_deepseeks_published_layout(local_ray, t
     path = save_deepseek_layout(tiny_v4(tok), tok, tmp_path / "v4")
     target = {**TargetConfig().__dict__, "resolved_path": str(path), "backend": "vllm", "vllm_enforce_eager": True,
               "max_tokens_per_forward": 256, "wire_dtype": "float32", "dtype": "float32"}
-    engine, pg = start_engine(target, [1, 3, -1])
+    engine, pg = start_engine(target, [1, 3, -1], "v4-build")
     try:
         seen = local_ray.get(engine.engine_config.remote(), timeout=600)
     finally:

@@ -187,14 +187,15 @@ class TargetGroup:
     """`target["tp_size"]` members in one placement group, restarted as a whole when one dies."""
 
     def __init__(self, index: int, target: dict[str, Any], layers: list[int]) -> None:
-        from ray.util.placement_group import placement_group
+        from workers.frozen_target.placement import fresh_placement_group, group_name
 
         self.index, self.size = index, int(target["tp_size"])
         self._target, self._layers = target, list(layers)
         gpus = float(target["gpus_per_worker"])
         self._bundle = {"CPU": float(target["cpus_per_worker"]), **({"GPU": gpus} if gpus else {}),
                         **(target["resources_per_worker"] or {})}
-        self._pg = placement_group([dict(self._bundle) for _ in range(self.size)], strategy="STRICT_PACK")
+        self._pg = fresh_placement_group([dict(self._bundle) for _ in range(self.size)], "STRICT_PACK",
+                                         group_name("target-group", index))
         self._lock = threading.Lock()
         self.restarts = 0
         self._members: list[Any] = []

