@@ -128,6 +128,7 @@ def write_deepseek_checkpoint(export_dir: str | Path, out_dir: str | Path, num_h
     left as it was on an error); ValueError / FileNotFoundError (one line) for a draft it cannot hold."""
     cfg, state, _ = read_export(export_dir)
     config = deepseek_config(cfg, num_hidden_layers)
+    check_target_layers(cfg, num_hidden_layers, hc_mult=int(config["hc_mult"]))
     return write_export_dir(out_dir, deepseek_tensors(state, cfg.num_layers),
                             {"config.json": json.dumps(config, indent=2) + "\n"}, metadata={"format": "pt"})
 

@@ -6,7 +6,7 @@ use one rule without importing each other.
 
 from __future__ import annotations
 
-from draft_model.config import DraftConfig
+from draft_model.config import FINAL_HIDDEN, DraftConfig
 
 
 class NotServable(ValueError):
@@ -18,6 +18,9 @@ def check_target_layers(cfg: DraftConfig, num_layers: int, hc_mult: int = 1) -> 
     is the target's final state after its norm (and, on DeepSeek-V4, after hc_head), while vLLM's aux id L (written
     as L - 1) is the last layer's output before them; a hyper-connection target (DeepSeek-V4) in vLLM taps decoder-
     layer outputs only, so our 0 (the embeddings) has no aux id there (docs/vllm-target.md, "Layer ids")."""
+    if FINAL_HIDDEN in cfg.target_layers:
+        raise NotServable("draft.target_layers holds -1, the target's final post-norm state, which engines do not "
+                          f"hand to a draft; train on layers 1..{num_layers - 1}")
     if num_layers in cfg.target_layers:
         raise NotServable(f"draft.target_layers holds {num_layers} (= num_hidden_layers), the target's final state "
                           "after its norm, which engines never hand a draft (vLLM's aux id L is the last layer's "

@@ -236,6 +236,11 @@ def test_merged_into_a_deepseek_v4_target_checkpoint_llama_cpp_converts_the_draf
     final, *_ = _export(tmp_path / "final", export_random_dsv4, V, 64, target_layers=[1, 2])
     with pytest.raises(NotServable, match="holds 2 \\(= num_hidden_layers\\), the target's final state"):
         merge_into_checkpoint(final, target, tmp_path / "merged-final")
+    # the standalone layout too (-1 is refused by the dsv4 draft config itself)
+    from serving.deepseek_checkpoint import write_deepseek_checkpoint
+
+    with pytest.raises(NotServable, match="holds 2 \\(= num_hidden_layers\\)"):
+        write_deepseek_checkpoint(final, tmp_path / "ds-final", num_hidden_layers=2)
     assert (merged / "model.safetensors").is_symlink()  # the target's weights are linked, not copied
     converted = llamacpp.convert(merged, tmp_path / "converted.gguf", merged, extra=("--dspark",))
     facts = TargetFacts(arch="deepseek4", hidden_size=64, num_layers=2, vocab_size=V, tokenizer={})
