@@ -163,3 +163,26 @@ def test_nan_features_stop_the_ray_run_without_touching_checkpoints(tmp_path):
     _assert_clean_error(res, 1, "non-finite target")
     assert _files(ckpt) == before  # nothing written, nothing overwritten
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
+
+
+def test_a_stale_current_cluster_file_is_pointed_at_this_run_and_a_live_one_is_kept(tmp_path):
+    """Ray Train's placement-group cleaner finds the cluster through Ray's current-cluster file: one left by a dead
+    `ray start` head made it time out with a traceback on a healthy local run (workers/driver.py)."""
+    import socket
+
+    from workers.driver import replace_stale_cluster_file
+
+    path = tmp_path / "ray_current_cluster"
+    assert not replace_stale_cluster_file("127.0.0.1:1111", path)  # no file: nothing written
+    assert not path.exists()
+    with socket.socket() as dead:  # a port nobody listens on once closed
+        dead.bind(("127.0.0.1", 0))
+        stale = f"127.0.0.1:{dead.getsockname()[1]}"
+    path.write_text(stale + "\n")
+    assert replace_stale_cluster_file("127.0.0.1:2222", path) and path.read_text() == "127.0.0.1:2222"
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        path.write_text(f"127.0.0.1:{live.getsockname()[1]}")
+        assert not replace_stale_cluster_file("127.0.0.1:3333", path)
+        assert path.read_text() == f"127.0.0.1:{live.getsockname()[1]}"

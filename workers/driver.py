@@ -88,6 +88,29 @@ def connect_ray(cfg) -> None:
     local_ray_on_loopback()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
              runtime_env=runtime_env)
+    replace_stale_cluster_file(ray.get_runtime_context().gcs_address)
+
+
+def replace_stale_cluster_file(address: str, path: str | os.PathLike | None = None) -> bool:
+    """Point Ray's "current cluster" file (/tmp/ray/ray_current_cluster, written by `ray start`) at this run's
+    local cluster when the head it names is gone. Ray Train's placement-group cleaner looks the cluster up without
+    an address, through that file: a file left by a killed `ray start` makes it time out with a traceback on an
+    otherwise healthy run. A file naming a live head (another user's cluster) is left alone. True when replaced."""
+    import socket
+
+    from ray._private.utils import get_ray_address_file
+
+    path = Path(path or get_ray_address_file(None))
+    try:
+        host, port = path.read_text().strip().rsplit(":", 1)
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((host, int(port))) == 0:
+                return False  # a live head
+    except (OSError, ValueError):
+        return False  # no file, or not an address Ray would read either
+    path.write_text(address)
+    return True
 
 
 def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[], None],
