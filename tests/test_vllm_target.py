@@ -7,8 +7,8 @@ trained exactly once.
 Marked `vllm` (not in the default suite: each engine build takes 15-110 s and ~2.6 GB); skipped, saying why, when
 the vLLM environment is absent. Engines are eager (enforce_eager) and bound away from the other vLLM users' core.
 
-Run: VLLM_CPU_OMP_THREADS_BIND=0 python -m pytest -m vllm -q tests/test_vllm_target.py   (about 18 minutes on a
-     busy 2-core machine: two capture engines 6 min, a generation engine 3 min, the two training runs 9 min)
+Run: VLLM_CPU_OMP_THREADS_BIND=0 python -m pytest -m vllm -q tests/test_vllm_target.py   (about 6 minutes on an idle
+     2-core machine, 18 on a busy one: two capture engines, a generation engine, the two training runs)
 """
 
 from __future__ import annotations
