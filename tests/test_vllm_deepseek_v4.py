@@ -50,7 +50,7 @@ def _resolve(arch_env: str | None) -> str:
 
 
 def test_the_plugin_puts_the_capture_wrapper_under_vllms_v4_only_inside_our_engines():
-    assert _resolve("DeepseekV4ForCausalLM") == "RESOLVED DSparkCaptureDeepseekV4ForCausalLM True False"
+    assert _resolve("DeepseekV4ForCausalLM") == "RESOLVED DSparkCaptureDeepseekV4ForCausalLM__vllm0_32_0 True False"
     assert _resolve(None) == "RESOLVED DeepseekV4ForCausalLM True True"  # anywhere else vLLM is untouched
 
 

@@ -25,6 +25,7 @@ from typing import Any
 FINAL_AUX_ID = -1  # in eagle_aux_hidden_state_layer_ids: "the LM-head input", captured last
 ARCH_ENV = "VLLM_DSPARK_CAPTURE_ARCH"
 PREFIX = "DSparkCapture"
+VERSION_SEP = "__vllm"
 _classes: dict[str, type] = {}
 
 
@@ -45,7 +46,14 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model(arch, f"{__name__}:{PREFIX}{arch}")
+    ModelRegistry.register_model(arch, f"{__name__}:{class_name(arch)}")
+
+
+def class_name(arch: str) -> str:
+    """`DSparkCapture<Arch>__vllm<version>`: vLLM caches a lazily registered class's model info under
+    `<module>-<class>.json` (keyed by this file's hash only), so the vLLM version in the name keeps an upgraded vLLM
+    from reusing what an older one inspected."""
+    return f"{PREFIX}{arch}{VERSION_SEP}{_vllm_version().replace('.', '_').replace('+', '_')}"
 
 
 def _engine_class(arch: str) -> type:
@@ -89,13 +97,13 @@ def capture_class(arch: str) -> type:
             hidden, aux = out if isinstance(out, tuple) else (out, [])
             return hidden, [*aux, hidden]
 
-    Capture.__name__ = Capture.__qualname__ = PREFIX + arch
+    Capture.__name__ = Capture.__qualname__ = class_name(arch)
     _classes[arch] = Capture
     return Capture
 
 
 def __getattr__(name: str) -> type:
-    """`capture_model:DSparkCapture<Arch>`, the lazy registry entry register() writes."""
-    if name.startswith(PREFIX):
-        return capture_class(name.removeprefix(PREFIX))
+    """`capture_model:<class_name(arch)>`, the lazy registry entry register() writes."""
+    if name.startswith(PREFIX) and VERSION_SEP in name:
+        return capture_class(name.removeprefix(PREFIX).split(VERSION_SEP)[0])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
