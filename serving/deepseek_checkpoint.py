@@ -161,7 +161,7 @@ def merge_into_checkpoint(export_dir: str | Path, target_dir: str | Path, out_di
         if not 0 <= k <= target["num_hidden_layers"]:
             raise ValueError(f"the drafter reads target layer {k}; {src} has {target['num_hidden_layers']} layers "
                              "(it was trained for another target)")
-    check_target_layers(cfg, int(target["num_hidden_layers"]), int(target.get("hc_mult", 1) or 1))
+    check_target_layers(cfg, int(target["num_hidden_layers"]), int(ours["hc_mult"]))
     for key in SHARED_KEYS:
         theirs = target.get(key)
         same = theirs == ours[key] or (isinstance(theirs, float) and isinstance(ours[key], float)

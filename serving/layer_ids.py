@@ -6,7 +6,7 @@ use one rule without importing each other.
 
 from __future__ import annotations
 
-from draft_model.config import FINAL_HIDDEN, DraftConfig
+from draft_model.config import DraftConfig
 
 
 class NotServable(ValueError):
@@ -17,10 +17,9 @@ def check_target_layers(cfg: DraftConfig, num_layers: int, hc_mult: int = 1) -> 
     """NotServable when a context layer the draft trained on is not what an engine hands it for that index: our L
     is the target's final state after its norm (and, on DeepSeek-V4, after hc_head), while vLLM's aux id L (written
     as L - 1) is the last layer's output before them; a hyper-connection target (DeepSeek-V4) in vLLM taps decoder-
-    layer outputs only, so our 0 (the embeddings) has no aux id there (docs/vllm-target.md, "Layer ids")."""
-    if FINAL_HIDDEN in cfg.target_layers:
-        raise NotServable("draft.target_layers holds -1, the target's final post-norm state, which engines do not "
-                          f"hand to a draft; train on layers 1..{num_layers - 1}")
+    layer outputs only, so our 0 (the embeddings) has no aux id there (docs/vllm-target.md, "Layer ids"). The final
+    state as -1 is refused before this: by check_servable for the engine formats, by the dsv4 draft config itself
+    for DeepSeek's layout."""
     if num_layers in cfg.target_layers:
         raise NotServable(f"draft.target_layers holds {num_layers} (= num_hidden_layers), the target's final state "
                           "after its norm, which engines never hand a draft (vLLM's aux id L is the last layer's "

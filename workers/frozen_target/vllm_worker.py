@@ -138,10 +138,15 @@ def _assemble(batch_index: int, samples: list, raw: dict[str, Any], ctx_is_final
     return fb
 
 
+def text_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict; a multimodal checkpoint's text_config."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
 def checkpoint_dims(model_dir: str | os.PathLike) -> tuple[int, int, int]:
     """(vocab_size, hidden_size, num_layers) from the checkpoint's config.json (TargetWorker.info's answer)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    cfg = text_config(model_dir)
     return int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
 
 
@@ -178,8 +183,7 @@ class VllmTarget:
         from workers.frozen_target.vllm_engine.engine import FINAL, aux_layer_ids, first_aux_id
 
         self.index, self._target, self._layers = index, target, list(layers)
-        cfg = json.loads((Path(target["resolved_path"]) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
+        cfg = text_config(target["resolved_path"])
         aux_layer_ids(self._layers, int(cfg["num_hidden_layers"]), first_aux_id(cfg))  # one line, before vLLM starts
         self._ctx_is_final = self._layers == [FINAL]
         self.engine, self._pg = start_engine(target, self._layers, group_name("vllm-target", index))
