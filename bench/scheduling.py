@@ -92,7 +92,7 @@ def stage_calibration(work: Path, rounds_path: Path, seed: int, log) -> tuple[li
     splits = {ds: split_prompts(int(a["prompt_N"].max()) + 1, 0.5, seed) for ds, a in arrays.items()}
     held = {ds: s[1] for ds, s in splits.items()}
     if path.is_file():
-        temps, _ = load_calibration(path)
+        temps = load_calibration(path).temperatures
         log.info("calibration: reusing %s (T = %s)", path, np.round(temps, 3).tolist())
         return list(temps), held
     fit_logit, fit_n = pool_rounds(arrays, {ds: s[0] for ds, s in splits.items()})

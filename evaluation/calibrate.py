@@ -5,11 +5,13 @@
    logits and accepted count n -> <out>/rounds.parquet (evaluation/rounds.py);
 2. the prompts of each set are split by a seeded shuffle: `fit_fraction` of them to fit on, the rest held out
    (split by prompt, not by round, because rounds of one prompt are correlated);
-3. serving.calibration.fit_sts on the fit rounds -> T_1..T_γ, written to <draft>/calibration.json, which
-   evaluation.drafters.load_drafter applies from then on (every consumer of the export);
-4. per-position ECE and ROC-AUC of the cumulative survival Π c_i before (T = 1) and after STS, measured on the
-   HELD-OUT rounds only: the returned report, written to <out>/calibration_report.json, and the reliability
-   diagram to <out>/reliability.png. `report_table` prints it.
+3. serving.calibration.fit_sts on the fit rounds -> T_1..T_γ, and fit_single_temperature -> one T for every
+   position (what the engine exports fold into the confidence head: serving/engine_export.py), both written to
+   <draft>/calibration.json, whose per-position temperatures evaluation.drafters.load_drafter applies from then on
+   (every consumer of the export);
+4. per-position ECE and ROC-AUC of the cumulative survival Π c_i before (T = 1), after STS and under the single
+   temperature, measured on the HELD-OUT rounds only: the returned report, written to
+   <out>/calibration_report.json, and the reliability diagram to <out>/reliability.png. `report_table` prints it.
 Bad input (missing export, unreadable or empty prompt file, bad temperature, a draft without a confidence head)
 is a one-line ValueError or FileNotFoundError.
 """
@@ -47,12 +49,17 @@ def report_table(rep: dict) -> str:
     def f(x: float) -> str:
         return "     –" if x is None or math.isnan(x) else f"{x:6.3f}"
 
-    lines = [f"{'k':>2} {'T_k':>6} {'ECE before':>10} {'ECE after':>10} {'AUC before':>10} {'AUC after':>10} "
-             f"{'survival':>9}"]
+    single = "ece_single" in rep
+    lines = [f"{'k':>2} {'T_k':>6} {'ECE before':>10} {'ECE after':>10}" + (f" {'ECE one-T':>10}" if single else "")
+             + f" {'AUC before':>10} {'AUC after':>10} {'survival':>9}"]
     for k in range(len(rep["temperatures"])):
         lines.append(f"{k + 1:>2} {rep['temperatures'][k]:6.3f} {f(rep['ece_before'][k]):>10} "
-                     f"{f(rep['ece_after'][k]):>10} {f(rep['roc_auc_before'][k]):>10} "
-                     f"{f(rep['roc_auc_after'][k]):>10} {rep['observed_survival'][k]:9.3f}")
+                     f"{f(rep['ece_after'][k]):>10}" + (f" {f(rep['ece_single'][k]):>10}" if single else "")
+                     + f" {f(rep['roc_auc_before'][k]):>10} {f(rep['roc_auc_after'][k]):>10} "
+                     f"{rep['observed_survival'][k]:9.3f}")
+    if single:
+        lines.append(f"one temperature for every position (folded into the engines' confidence head): "
+                     f"T = {rep['single_temperature']:.3f}")
     return "\n".join(lines)
 
 
@@ -68,7 +75,13 @@ def calibrate(export: Path, target_name: str, prompt_names: list[str], num_promp
     from evaluation.report import json_safe
     from evaluation.rounds import load_round_arrays, write_rounds
     from evaluation.run import check_exports
-    from serving.calibration import calibration_report, fit_sts, plot_reliability, save_calibration
+    from serving.calibration import (
+        calibration_report,
+        fit_single_temperature,
+        fit_sts,
+        plot_reliability,
+        save_calibration,
+    )
     from workers.frozen_target.model import load_target, resolve_target_path
 
     check_exports({"draft": export})
@@ -98,17 +111,20 @@ def calibrate(export: Path, target_name: str, prompt_names: list[str], num_promp
     fit_logit, fit_n = pool_rounds(arrays, {ds: s[0] for ds, s in splits.items()})
     held_logit, held_n = pool_rounds(arrays, {ds: s[1] for ds, s in splits.items()})
     temps = fit_sts(fit_logit, fit_n)
-    rep = calibration_report(held_logit, held_n, temps)
-    rep.update(split="held-out", fit_rounds=int(fit_logit.shape[0]), fit_report=calibration_report(
-        fit_logit, fit_n, temps), prompts={ds: {"fit": s[0].tolist(), "held_out": s[1].tolist()}
-                                           for ds, s in splits.items()},
+    single = fit_single_temperature(fit_logit, fit_n)
+    rep = calibration_report(held_logit, held_n, temps, single_temperature=single)
+    rep.update(split="held-out", fit_rounds=int(fit_logit.shape[0]),
+               fit_report=calibration_report(fit_logit, fit_n, temps, single_temperature=single),
+               prompts={ds: {"fit": s[0].tolist(), "held_out": s[1].tolist()} for ds, s in splits.items()},
         tau={ds: m["tau"] for ds, m in result["datasets"].items()})
     meta = {"target": target_name, "decoding_temperature": temperature, "max_new_tokens": max_new_tokens,
             "prompt_sets": prompt_names, "fit_rounds": rep["fit_rounds"], "held_out_rounds": rep["num_rounds"],
             "fit_fraction": fit_fraction, "seed": seed, "date": dt.date.today().isoformat(),
-            "method": "serving.calibration.fit_sts (grid, ECE of the cumulative survival, 10 bins)",
-            "held_out_ece_before": rep["ece_before"], "held_out_ece_after": rep["ece_after"]}
-    save_calibration(export / CALIBRATION_FILE, temps, json_safe(meta))
+            "method": "serving.calibration.fit_sts and fit_single_temperature (grid, ECE of the cumulative "
+                      "survival, 10 bins)",
+            "held_out_ece_before": rep["ece_before"], "held_out_ece_after": rep["ece_after"],
+            "held_out_ece_single": rep["ece_single"]}
+    save_calibration(export / CALIBRATION_FILE, temps, json_safe(meta), single)
     plot_reliability(held_logit, held_n, temps, out_dir / "reliability.png")
     (out_dir / "calibration_report.json").write_text(json.dumps(json_safe(rep), indent=2) + "\n")
     return rep

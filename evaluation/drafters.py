@@ -162,7 +162,7 @@ def load_drafter(export_dir: str | Path, target: nn.Module, name: str | None = N
     model.to(target.get_output_embeddings().weight.device)
     temps = None
     if calibrated and (export_dir / CALIBRATION_FILE).is_file():
-        temps, _ = load_calibration(export_dir / CALIBRATION_FILE)
+        temps = load_calibration(export_dir / CALIBRATION_FILE).temperatures
         if len(temps) != model.cfg.block_size:
             raise ValueError(f"{export_dir / CALIBRATION_FILE} has {len(temps)} temperatures for a draft of "
                              f"block size {model.cfg.block_size}")

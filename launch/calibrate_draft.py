@@ -5,10 +5,11 @@
         [--fit-fraction 0.5] --out runs/tiny/calib
 
 Decodes the prompts at --temperature recording every round (<out>/rounds.parquet), splits each set's prompts
-into --fit-fraction to fit on and the rest held out, fits STS on the fit rounds into <draft>/calibration.json
-(applied by every later load of the export), and reports per-position ECE and ROC-AUC of the survival before and
-after on the held-out rounds only: printed, in <out>/calibration_report.json and <out>/reliability.png. The steps
-are evaluation/calibrate.py's.
+into --fit-fraction to fit on and the rest held out, fits STS (per-position temperatures, applied by every later
+load of the export) and one temperature for every position (folded into the confidence head of the engine
+exports, the calibration vLLM can run) on the fit rounds into <draft>/calibration.json, and reports per-position
+ECE and ROC-AUC of the survival before, after STS and under the one temperature, on the held-out rounds only:
+printed, in <out>/calibration_report.json and <out>/reliability.png. The steps are evaluation/calibrate.py's.
 Prompts are built-in sets (humaneval, gsm8k, mtbench) or files (.jsonl/.parquet of chats or texts; see
 evaluation/prompts.py). Exit status 2 with one line for bad input (missing export, unreadable or empty prompt
 file, bad temperature, a draft without a confidence head).
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"STS fitted on {rep['fit_rounds']} rounds; ECE / ROC-AUC of the survival on {rep['num_rounds']} "
           f"held-out rounds (other prompts):")
     print(report_table(rep))
-    print(json.dumps(json_safe({k: rep[k] for k in ("temperatures", "ece_before", "ece_after", "roc_auc_before",
+    print(json.dumps(json_safe({k: rep[k] for k in ("temperatures", "single_temperature", "ece_before", "ece_after",
+                                                    "ece_single", "roc_auc_before",
                                                     "roc_auc_after")})))
     return 0
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
             out = write_deepseek_checkpoint(src, args.out, facts["num_hidden_layers"])
         else:
-            out = write_engine_export(src, args.format, args.out, facts, args.drop_confidence, draft_vocab)
+            out = write_engine_export(src, args.format, args.out, facts, args.drop_confidence, draft_vocab, say=print)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,8 +16,14 @@ A positive temperature is a monotone map of the logit, so STS preserves the orde
 position (ROC-AUC of c_k unchanged); the cumulative product's order across rounds can change for k > 1 because
 the positions get different temperatures, which is why the report gives the AUC of the survival before/after.
 
+One temperature for every position (`fit_single_temperature`) is the calibration an engine that applies a plain
+sigmoid to one linear layer shared by all positions can run: vLLM's DSpark confidence head computes
+σ(w·x + b), and σ((w·x + b) / T) = σ((w/T)·x + b/T) folds T into the layer exactly (serving/engine_export.py does).
+Per-position temperatures cannot be folded into a layer all positions share.
+
 The calibrated temperatures live in `calibration.json` beside an exported draft (save_calibration /
-load_calibration). Metrics reuse serving.metrics (expected_calibration_error, roc_auc).
+load_calibration): the per-position T_1..T_K and, since format dspark-sts/2, the single T. Metrics reuse
+serving.metrics (expected_calibration_error, roc_auc).
 """
 
 from __future__ import annotations
@@ -25,19 +31,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from serving._io import atomic_write_json, read_json
 from serving.metrics import expected_calibration_error, roc_auc
 
-__all__ = ["DEFAULT_GRID", "apply_sts", "calibration_report", "fit_sts", "load_calibration", "plot_reliability",
-           "save_calibration", "survival", "sigmoid"]
+__all__ = ["DEFAULT_GRID", "Calibration", "apply_sts", "calibration_report", "fit_single_temperature", "fit_sts",
+           "load_calibration", "plot_reliability", "save_calibration", "survival", "sigmoid"]
 
 # 0.05 .. 20 in ratio steps of ~1.5 %, with 1.0 (no change) on the grid so STS can never do worse than T = 1 on
 # the fitting data
 DEFAULT_GRID = np.unique(np.r_[np.geomspace(0.05, 20.0, 401), 1.0])
-CALIBRATION_FORMAT = "dspark-sts/1"
+CALIBRATION_FORMAT = "dspark-sts/2"  # /2 adds "single_temperature" (null: not fitted)
+OLDER_FORMATS = ("dspark-sts/1",)  # still read: no single temperature
+
+
+class Calibration(NamedTuple):
+    """calibration.json: per-position STS temperatures, the single temperature (None in dspark-sts/1 files), meta."""
+
+    temperatures: np.ndarray  # T_1..T_K
+    single_temperature: float | None  # one T for every position (foldable into the engines' confidence head)
+    meta: dict
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -109,9 +125,29 @@ def fit_sts(conf_logit_NK: np.ndarray, num_accepted_N: np.ndarray,
     return t_K
 
 
+def fit_single_temperature(conf_logit_NK: np.ndarray, num_accepted_N: np.ndarray,
+                           grid: Sequence[float] | np.ndarray = DEFAULT_GRID, num_bins: int = 10) -> float:
+    """One temperature T for every position: the grid value minimising the mean over k = 1..K of the ECE of the
+    survival Π_{i≤k} σ(logit_i / T), the quantity STS calibrates per position. Ties go to the value closest to 1."""
+    logit_NK, n_N = _check_records(conf_logit_NK, num_accepted_N)
+    grid_G = _temperatures(grid)
+    grid_G = grid_G[np.argsort(np.abs(np.log(grid_G)), kind="stable")]
+    survived_NK = _survived_NK(n_N, logit_NK.shape[1])
+
+    def mean_ece(t: float) -> float:
+        a_NK = survival(sigmoid(logit_NK / t))
+        return float(np.mean([expected_calibration_error(a_NK[:, k], survived_NK[:, k], num_bins)
+                              for k in range(a_NK.shape[1])]))
+
+    return float(grid_G[int(np.argmin([mean_ece(t) for t in grid_G]))])
+
+
 def calibration_report(conf_logit_NK: np.ndarray, num_accepted_N: np.ndarray,
-                       temperatures_K: Sequence[float] | np.ndarray, num_bins: int = 10) -> dict:
-    """Per-position ECE and ROC-AUC of the cumulative survival before (T = 1) and after STS.
+                       temperatures_K: Sequence[float] | np.ndarray, num_bins: int = 10,
+                       single_temperature: float | None = None) -> dict:
+    """Per-position ECE and ROC-AUC of the cumulative survival before (T = 1) and after STS, and with
+    `single_temperature` under that one T as well ("single": what an engine with the T folded into its confidence
+    head computes).
 
     Lists are indexed by position k = 1..K (list index k−1); an AUC is NaN where one class is absent.
     """
@@ -119,7 +155,11 @@ def calibration_report(conf_logit_NK: np.ndarray, num_accepted_N: np.ndarray,
     t_K = _temperatures(temperatures_K, logit_NK.shape[1])
     survived_NK = _survived_NK(n_N, logit_NK.shape[1])
     report: dict = {"num_rounds": int(logit_NK.shape[0]), "num_bins": num_bins, "temperatures": t_K.tolist()}
-    for tag, a_NK in (("before", survival(sigmoid(logit_NK))), ("after", survival(apply_sts(logit_NK, t_K)))):
+    curves = [("before", survival(sigmoid(logit_NK))), ("after", survival(apply_sts(logit_NK, t_K)))]
+    if single_temperature is not None:
+        report["single_temperature"] = float(_temperatures([single_temperature])[0])
+        curves.append(("single", survival(sigmoid(logit_NK / report["single_temperature"]))))
+    for tag, a_NK in curves:
         report[f"ece_{tag}"] = [expected_calibration_error(a_NK[:, k], survived_NK[:, k], num_bins)
                                 for k in range(a_NK.shape[1])]
         report[f"roc_auc_{tag}"] = [roc_auc(a_NK[:, k], survived_NK[:, k]) for k in range(a_NK.shape[1])]
@@ -127,33 +167,43 @@ def calibration_report(conf_logit_NK: np.ndarray, num_accepted_N: np.ndarray,
     return report
 
 
-def save_calibration(path: str | Path, temperatures: Sequence[float] | np.ndarray,
-                     meta: Mapping | None = None) -> Path:
-    """Write calibration.json atomically: {"format", "temperatures" (T_1..T_K), "meta" (free-form, JSON-able)}."""
+def save_calibration(path: str | Path, temperatures: Sequence[float] | np.ndarray, meta: Mapping | None = None,
+                     single_temperature: float | None = None) -> Path:
+    """Write calibration.json atomically: {"format", "temperatures" (T_1..T_K), "single_temperature" (one T for
+    every position, or null), "meta" (free-form, JSON-able)}."""
     t_K = _temperatures(temperatures)
+    single = None if single_temperature is None else float(_temperatures([single_temperature])[0])
     return atomic_write_json(path, {"format": CALIBRATION_FORMAT, "temperatures": t_K.tolist(),
-                                    "meta": dict(meta or {})})
+                                    "single_temperature": single, "meta": dict(meta or {})})
 
 
-def load_calibration(path: str | Path) -> tuple[np.ndarray, dict]:
-    """Read calibration.json; returns (temperatures_K, meta). Any malformed file is a one-line ValueError."""
+def _positive(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read calibration.json (dspark-sts/2, or /1 without a single temperature). Any malformed file is a one-line
+    ValueError naming it."""
     obj = read_json(path, "calibration file")
     bad = f"malformed calibration file {path}:"
     if not isinstance(obj, dict):
         raise ValueError(f"{bad} expected a JSON object")
-    keys = {"format", "temperatures", "meta"}
+    formats = (CALIBRATION_FORMAT, *OLDER_FORMATS)
+    if obj.get("format") not in formats:
+        raise ValueError(f"{bad} format must be one of {list(formats)}, got {obj.get('format')!r}")
+    keys = {"format", "temperatures", "meta"} | ({"single_temperature"} if obj["format"] == CALIBRATION_FORMAT
+                                                 else set())
     if set(obj) != keys:
         raise ValueError(f"{bad} keys must be {sorted(keys)}, got {sorted(obj)}")
-    if obj["format"] != CALIBRATION_FORMAT:
-        raise ValueError(f"{bad} format must be {CALIBRATION_FORMAT!r}, got {obj['format']!r}")
     temps = obj["temperatures"]
-    if (not isinstance(temps, list) or not temps
-            or not all(isinstance(t, int | float) and not isinstance(t, bool) for t in temps)
-            or not all(math.isfinite(t) and t > 0 for t in temps)):
+    if not isinstance(temps, list) or not temps or not all(_positive(t) for t in temps):
         raise ValueError(f"{bad} temperatures must be a non-empty list of positive numbers, got {temps!r}")
+    single = obj.get("single_temperature")
+    if single is not None and not _positive(single):
+        raise ValueError(f"{bad} single_temperature must be a positive number or null, got {single!r}")
     if not isinstance(obj["meta"], dict):
         raise ValueError(f"{bad} meta must be an object")
-    return np.asarray(temps, dtype=np.float64), obj["meta"]
+    return Calibration(np.asarray(temps, dtype=np.float64), None if single is None else float(single), obj["meta"])
 
 
 def _reliability_bins(conf_N: np.ndarray, outcome_N: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:

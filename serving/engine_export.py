@@ -13,8 +13,16 @@ Three formats, the same tensors under the engines' names (docs/serving-export.md
 All carry what the common serving mistakes get wrong: the block layout (`sample_from_anchor` and
 `dspark_bonus_anchor` from draft.block_layout; anchor: slot k predicts the token after anchor + k), in-block
 bidirectional attention (`is_causal: false`, `sliding_window_non_causal: true`), an explicit RoPE theta, the mask
-token id. Beside them, `sts_calibration.json`: the STS temperatures in the form SGLang
-(`--speculative-dspark-confidence-sts-path`) and TensorRT-LLM (`confidence_calibration_path`) read.
+token id.
+
+Calibration (a draft with `calibration.json`, launch/calibrate_draft.py). vLLM's DSpark confidence head computes
+σ(w·x + b) with one linear layer for every position and reads no calibration file, so the single temperature T of
+the calibration is folded into that layer (w/T, b/T: exactly σ((w·x + b)/T)); config.json's
+`dspark_confidence_calibration` says what was done. Beside it, `sts_calibration.json`: the per-position STS
+temperatures in the form SGLang (`--speculative-dspark-confidence-sts-path`) and TensorRT-LLM
+(`confidence_calibration_path`) read, relative to the exported (folded) head, so that an engine applying them
+computes σ(raw logit / T_k) exactly. A calibration that a format cannot hold (no confidence head shipped), or an
+older calibration.json without a single temperature, is said in one line (`calibration_note`).
 
 What no engine can serve is refused with the reason and the preset that can (`NotServable`): MoE FFN and mHC
 (only DeepSeek-V4's own drafter block exists in engines), a draft without per-head q/k norm or with a learned
@@ -187,13 +195,35 @@ def sts_calibration(temperatures: list[float], meta: dict[str, Any]) -> dict[str
             "ece_after": mean(meta.get("held_out_ece_after"))}
 
 
+def calibration_note(export_dir: str | Path, cfg: DraftConfig, fmt: str, drop_confidence: bool = False
+                     ) -> tuple[Any, str | None]:
+    """(the draft's Calibration or None, one line saying what an export in `fmt` does with it, or None when the
+    draft is not calibrated)."""
+    from serving.calibration import load_calibration
+
+    path = Path(export_dir) / "calibration.json"
+    if not path.is_file():
+        return None, None
+    cal = load_calibration(path)
+    if not cfg.confidence or drop_confidence or fmt == "dflash":
+        why = (f"the {fmt} format has no confidence head" if fmt == "dflash" else
+               "--drop-confidence" if drop_confidence else "the draft has none")
+        return cal, f"{fmt} export: {path} is not carried: the confidence head is not shipped ({why})"
+    if cal.single_temperature is None:
+        return cal, (f"{fmt} export: {path} has no single temperature (written before dspark-sts/2), so the "
+                     f"confidence head is exported uncalibrated and vLLM, which applies no calibration file, "
+                     f"schedules on raw confidences; rerun launch/calibrate_draft.py to fit one")
+    return cal, (f"{fmt} export: calibration T = {cal.single_temperature:.4g} folded into confidence_head.proj "
+                 f"(what vLLM computes); per-position STS in {STS_FILE}, relative to the folded head")
+
+
 def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, target: dict[str, Any],
                         drop_confidence: bool = False,
-                        draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> Path:
+                        draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, say=None) -> Path:
     """Write `export_dir` (our format) as `fmt` into `out_dir` (replaced atomically): config.json,
-    model.safetensors and, when the export was calibrated, sts_calibration.json. `draft_vocab`: (ids_N, the
-    target's lm_head_VD) to write a reduced draft vocabulary (serving/draft_vocab.py), deepspec only."""
-    from serving.calibration import load_calibration
+    model.safetensors and, when the export was calibrated, sts_calibration.json (module docstring, "Calibration";
+    `say(line)` is given calibration_note's line). `draft_vocab`: (ids_N, the target's lm_head_VD) to write a
+    reduced draft vocabulary (serving/draft_vocab.py), deepspec only."""
     from serving.draft_vocab import reduce_vocab
 
     cfg, state, _ = read_export(export_dir)
@@ -214,11 +244,21 @@ def write_engine_export(export_dir: str | Path, fmt: str, out_dir: str | Path, t
                               f"({cfg.vocab_size}, {cfg.hidden_size}): not this draft's target")
         tensors = reduce_vocab(tensors, ids_N, lm_head_VD)
     n_draft = None if draft_vocab is None else len(draft_vocab[0])
-    files = {"config.json": json.dumps(engine_config(cfg, fmt, target, drop_confidence, n_draft), indent=2) + "\n"}
-    calibration = Path(export_dir) / "calibration.json"
-    if calibration.is_file() and cfg.confidence and not drop_confidence:
-        temps, meta = load_calibration(calibration)
-        files[STS_FILE] = json.dumps(sts_calibration(temps.tolist(), meta), indent=2) + "\n"
+    config = engine_config(cfg, fmt, target, drop_confidence, n_draft)
+    cal, note = calibration_note(export_dir, cfg, fmt, drop_confidence)
+    files = {}
+    if cal is not None and "confidence_head.proj.weight" in tensors:
+        fold = cal.single_temperature or 1.0
+        for p in ("weight", "bias"):
+            tensors[f"confidence_head.proj.{p}"] = tensors[f"confidence_head.proj.{p}"] / fold
+        config["dspark_confidence_calibration"] = {
+            "folded_temperature": cal.single_temperature, "sts_file": STS_FILE,
+            "note": "confidence_head.proj holds the trained weight and bias divided by folded_temperature (null: "
+                    "not folded); the STS file's temperatures apply to that head"}
+        files[STS_FILE] = json.dumps(sts_calibration((cal.temperatures / fold).tolist(), cal.meta), indent=2) + "\n"
+    if note and say is not None:
+        say(note)
+    files["config.json"] = json.dumps(config, indent=2) + "\n"
     return write_export_dir(out_dir, tensors, files, metadata={"format": "pt"})
 
 
@@ -261,7 +301,8 @@ def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str
         return written
     for fmt in FORMATS:
         try:
-            written[fmt] = write_engine_export(export_dir, fmt, Path(run_dir) / f"export-{fmt}", facts)
+            written[fmt] = write_engine_export(export_dir, fmt, Path(run_dir) / f"export-{fmt}", facts,
+                                               say=log.info)
             log.info("exported the draft for serving engines (%s format) to %s", fmt, written[fmt])
         except NotServable as e:
             log.info("no %s export: %s", fmt, str(e).split(": ", 1)[-1])

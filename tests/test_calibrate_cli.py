@@ -74,7 +74,7 @@ def test_calibration_is_written_into_the_export_and_applied_on_load(export, prom
     code, printed, _ = cli("calibrate_draft.py", args)
     assert code == 0
     assert "held-out" in printed and "ECE before" in printed
-    temps, meta = load_calibration(export / "calibration.json")
+    temps, single, meta = load_calibration(export / "calibration.json")
     assert temps.shape == (GAMMA,) and np.all(temps > 0) and meta["decoding_temperature"] == 1.0
     rep = json.loads((out / "calibration_report.json").read_text())
     assert rep["temperatures"] == temps.tolist() and len(rep["ece_before"]) == len(rep["ece_after"]) == GAMMA

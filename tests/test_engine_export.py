@@ -145,6 +145,54 @@ def test_export_writes_config_tensors_and_sts_file(tmp_path):
     assert sts["ece_before"] == pytest.approx(0.3) and sts["ece_after"] == pytest.approx(0.1)
 
 
+def test_a_single_temperature_is_folded_into_the_confidence_head_exactly(tmp_path):
+    """vLLM computes σ(w·x + b) with no calibration file: the export divides w and b by the single temperature, so
+    that it computes σ((w·x + b)/T), and the STS file's temperatures become T_k / T, so that an engine applying them
+    to the folded head computes σ(raw / T_k). The CLI says what it did in one line."""
+    from safetensors.torch import load_file
+
+    model = _draft()
+    src = _export(tmp_path, model)
+    temps, single = [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2], 1.6
+    save_calibration(src / "calibration.json", temps, {"fit_rounds": 9}, single_temperature=single)
+    out = write_engine_export(src, "speculators", tmp_path / "spec", TARGET)
+    w, b = model.conf_proj.weight.detach(), model.conf_proj.bias.detach()
+    got = load_file(str(out / "model.safetensors"))
+    x = torch.randn(11, w.shape[1])
+    raw_logit = x @ w.t() + b
+    folded_logit = x @ got["confidence_head.proj.weight"].t() + got["confidence_head.proj.bias"]
+    torch.testing.assert_close(torch.sigmoid(folded_logit), torch.sigmoid(raw_logit / single))
+    sts = json.loads((out / "sts_calibration.json").read_text())
+    np.testing.assert_allclose(sts["temperatures"], np.array(temps) / single)
+    for k, t_k in enumerate(sts["temperatures"]):  # per-position STS on the folded head == on the raw head
+        torch.testing.assert_close(torch.sigmoid(folded_logit / t_k), torch.sigmoid(raw_logit / temps[k]))
+    written = json.loads((out / "config.json").read_text())
+    assert written["dspark_confidence_calibration"]["folded_temperature"] == single
+    res = _cli(str(src), "--format", "deepspec", "--out", str(tmp_path / "ds"))
+    assert res.returncode == 0, res.stderr
+    assert "deepspec export: calibration T = 1.6 folded into confidence_head.proj" in res.stdout
+
+
+def test_a_calibration_a_format_cannot_hold_is_said_in_one_line(tmp_path):
+    """dflash ships no confidence head; --drop-confidence drops it; a dspark-sts/1 file has no single temperature:
+    each export says so in one line instead of dropping the calibration silently."""
+    src = _export(tmp_path, _draft("dflash", block_layout="bonus_anchor"), "dflash")
+    save_calibration(src / "calibration.json", [1.5] * 7, single_temperature=1.5)
+    said: list[str] = []
+    out = write_engine_export(src, "dflash", tmp_path / "dflash-out", TARGET, say=said.append)
+    assert len(said) == 1 and "is not carried" in said[0] and "dflash format has no confidence head" in said[0]
+    assert not (out / "sts_calibration.json").exists()
+    src = _export(tmp_path, _draft())
+    (src / "calibration.json").write_text(json.dumps({"format": "dspark-sts/1", "temperatures": [1.5] * 7,
+                                                      "meta": {}}))
+    said.clear()
+    out = write_engine_export(src, "deepspec", tmp_path / "old", TARGET, say=said.append)
+    assert len(said) == 1 and "no single temperature" in said[0] and "rerun launch/calibrate_draft.py" in said[0]
+    assert json.loads((out / "config.json").read_text())["dspark_confidence_calibration"]["folded_temperature"] is None
+    res = _cli(str(src), "--format", "deepspec", "--drop-confidence", "--out", str(tmp_path / "drop"))
+    assert res.returncode == 0 and "is not carried" in res.stdout and "--drop-confidence" in res.stdout
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "launch" / "export_draft.py"), *args], capture_output=True,
                           text=True, cwd=REPO, timeout=300)

@@ -16,6 +16,7 @@ import pytest
 from serving.calibration import (
     apply_sts,
     calibration_report,
+    fit_single_temperature,
     fit_sts,
     load_calibration,
     plot_reliability,
@@ -26,6 +27,7 @@ from serving.calibration import (
 from serving.metrics import expected_calibration_error
 
 N, K, OVERCONFIDENCE = 50_000, 4, 3.0
+GRID = np.geomspace(0.5, 8.0, 121)  # 2.3 % steps: enough for the single-temperature tests, 3x faster
 
 
 def synthetic_rounds(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,14 +104,52 @@ def test_bad_records():
         fit_sts(np.zeros((4, 3)), np.array([0, 1, 4, 2]))
 
 
+def test_one_temperature_for_every_position_recovers_a_shared_overconfidence(fitted):
+    """The synthetic logits are over-confident by the same 3 at every position: the single fit finds it, and its
+    held-out ECE (fitted on one draw, reported on another) is far below the raw one at every position and close
+    to the per-position STS."""
+    logit_NK, n_N, _, t_K = fitted
+    t = fit_single_temperature(logit_NK, n_N, GRID)
+    assert t == pytest.approx(OVERCONFIDENCE, rel=0.05)
+    held_logit, held_n, _ = synthetic_rounds(seed=1)
+    rep = calibration_report(held_logit, held_n, t_K, single_temperature=t)
+    assert rep["single_temperature"] == t
+    for k in range(K):
+        assert rep["ece_single"][k] < 0.25 * rep["ece_before"][k]
+        assert rep["ece_single"][k] < rep["ece_after"][k] + 0.01
+    # the "single" curve is the survival of σ(logit / t) at every position
+    a_NK = survival(sigmoid(held_logit / t))
+    assert rep["ece_single"][2] == expected_calibration_error(a_NK[:, 2], held_n >= 3)
+
+
+def test_single_temperature_differs_from_sts_where_positions_differ():
+    """Over-confident by 1 at position 1 and by 4 at the others: STS fits each; the one shared T lies between."""
+    logit_NK, n_N, _ = synthetic_rounds(seed=2)
+    logit_NK = logit_NK / OVERCONFIDENCE * np.array([1.0, 4.0, 4.0, 4.0])
+    t_K = fit_sts(logit_NK, n_N, GRID)
+    np.testing.assert_allclose(t_K, [1.0, 4.0, 4.0, 4.0], rtol=0.12)
+    t = fit_single_temperature(logit_NK, n_N, GRID)
+    assert 1.2 < t < 4.0
+    rep = calibration_report(logit_NK, n_N, t_K, single_temperature=t)
+    assert np.mean(rep["ece_after"]) < np.mean(rep["ece_single"]) < np.mean(rep["ece_before"])
+
+
 def test_calibration_json_round_trip(tmp_path):
     path = tmp_path / "draft" / "calibration.json"
     meta = {"draft": "dspark-tiny", "num_rounds": 123, "dataset": "held-out"}
     save_calibration(path, [2.5, 3.0, 3.25], meta)
-    t_K, meta_back = load_calibration(path)
+    t_K, single, meta_back = load_calibration(path)
+    assert single is None  # not fitted
     np.testing.assert_array_equal(t_K, [2.5, 3.0, 3.25])
     assert meta_back == meta
     assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temp file left behind
+    save_calibration(path, [2.5, 3.0, 3.25], meta, single_temperature=2.75)
+    assert load_calibration(path).single_temperature == 2.75
+    assert json.loads(path.read_text())["format"] == "dspark-sts/2"
+    # a dspark-sts/1 file (no single temperature) is still read
+    path.write_text(json.dumps({"format": "dspark-sts/1", "temperatures": [2.0, 3.0], "meta": {}}))
+    old = load_calibration(path)
+    assert old.temperatures.tolist() == [2.0, 3.0] and old.single_temperature is None
 
 
 @pytest.mark.parametrize("content, match", [
@@ -119,6 +159,11 @@ def test_calibration_json_round_trip(tmp_path):
     (json.dumps({"format": "other", "temperatures": [1.0], "meta": {}}), "format must be"),
     (json.dumps({"format": "dspark-sts/1", "temperatures": [1.0, -2.0], "meta": {}}), "positive numbers"),
     (json.dumps({"format": "dspark-sts/1", "temperatures": [], "meta": {}}), "positive numbers"),
+    (json.dumps({"format": "dspark-sts/2", "temperatures": [1.0], "meta": {}}), "keys must be"),
+    (json.dumps({"format": "dspark-sts/2", "temperatures": [1.0], "single_temperature": 0, "meta": {}}),
+     "single_temperature must be a positive number or null"),
+    (json.dumps({"format": "dspark-sts/1", "temperatures": [1.0], "single_temperature": 2.0, "meta": {}}),
+     "keys must be"),
 ])
 def test_malformed_calibration_file(tmp_path, content, match):
     path = tmp_path / "calibration.json"
