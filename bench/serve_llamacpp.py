@@ -191,10 +191,11 @@ class GreedyWithProbs(ArgmaxDraft):
         return replace(prop, probs_KV=one_hot)
 
 
-def ours(export: Path, items, temperature: float, max_new: int, probs: list | None = None, target_name: str = "smollm2"
-         ) -> list[list[tuple[int, list[int]]]]:
+def ours(export: Path, items, temperature: float, max_new: int, probs: list | None = None, target_name: str = "smollm2",
+         conf: list | None = None) -> list[list[tuple[int, list[int]]]]:
     """(accepted count, drafted block) of every round, per prompt, from our evaluator. With `probs` (T = 0 only),
-    the drafted tokens' probabilities as llama.cpp prints them are appended to it, one list of rounds per prompt."""
+    the drafted tokens' probabilities as llama.cpp prints them are appended to it, one list of rounds per prompt;
+    with `conf`, the draft's raw confidences σ(logit) of every round (uncalibrated), likewise."""
     import torch
 
     from evaluation.drafters import load_drafter
@@ -213,6 +214,8 @@ def ours(export: Path, items, temperature: float, max_new: int, probs: list | No
             drafter.probs = []
         generate(target, drafter, ids, temperature, max_new, torch.Generator().manual_seed(i), eos, rounds, i)
         out.append(list(zip(rounds.num_accepted_R, drafter.blocks, strict=True)))
+        if conf is not None:
+            conf.append([c.tolist() for c in rounds.conf_RK])
         if probs is not None:
             probs.append(drafter.probs)
     return out
