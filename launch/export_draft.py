@@ -40,7 +40,14 @@ GGUF_DSV4 = "gguf-dsv4"  # serving/dsv4_gguf_export.py: one .gguf file, not an e
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.export import read_export
-    from serving.engine_export import DEEPSEEK_V4, FORMATS, check_servable, target_facts, write_engine_export
+    from serving.engine_export import (
+        DEEPSEEK_V4,
+        FORMATS,
+        calibration_note,
+        check_servable,
+        target_facts,
+        write_engine_export,
+    )
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("export", metavar="EXPORT_OR_RUN_DIR", help="an exported draft, or a run dir holding export/")
@@ -65,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (src / "config.json").is_file():
             raise FileNotFoundError(f"{args.export} is neither an exported draft nor a run directory holding export/")
+        if args.format in (GGUF_DSV4, DEEPSEEK_V4):  # DeepSeek-V4's drafter: a calibration is not folded there
+            note = calibration_note(src, read_export(src)[0], args.format)[1]
+            if note:
+                print(note)
         if args.format == GGUF_DSV4:
             if not args.target_gguf:
                 raise ValueError("--format gguf-dsv4 needs --target-gguf (the target's GGUF, for its tokenizer)")

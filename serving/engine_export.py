@@ -205,6 +205,9 @@ def calibration_note(export_dir: str | Path, cfg: DraftConfig, fmt: str, drop_co
     if not path.is_file():
         return None, None
     cal = load_calibration(path)
+    if fmt not in FORMATS:  # DeepSeek-V4's drafter formats (gguf-dsv4, deepseek-v4)
+        return cal, (f"{fmt} export: {path} is not carried: this format's confidence head is written as trained "
+                     f"(uncalibrated)")
     if not cfg.confidence or drop_confidence or fmt == "dflash":
         why = (f"the {fmt} format has no confidence head" if fmt == "dflash" else
                "--drop-confidence" if drop_confidence else "the draft has none")
