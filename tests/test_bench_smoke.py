@@ -23,7 +23,7 @@ from launch_helpers import REPO, TINY_MOE, quiet_env
 BENCH = REPO / "bench"
 # modules the scripts share, not measurements: they have no figure line
 HELPERS = {"launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sweep_summary",
-           "vllm_side_dflash"}  # the vLLM environment's half of serve_vllm
+           "vllm_side_dflash", "vllm_side_dspark"}  # the vLLM environment's halves of serve_vllm
 # benches this suite does not run, with the reason (the others run on the CPU with what CI installs, the SmolLM2
 # wheel and the evaluation prompt sets of the README's install line included)
 EXCLUDED: dict[str, str] = {

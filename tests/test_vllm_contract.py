@@ -10,6 +10,8 @@ Run: python -m pytest -q tests/test_vllm_contract.py
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +22,9 @@ from pipeline.contracts import TokenizedSample
 from workers.frozen_target.vllm_engine.capture_model import FINAL_AUX_ID
 from workers.frozen_target.vllm_engine.engine import aux_layer_ids, engine_kwargs, first_aux_id, layer_features
 from workers.frozen_target.vllm_engine.transfer import read_states, write_states
-from workers.frozen_target.vllm_worker import engine_actor_options, feature_batch
+from workers.frozen_target.vllm_worker import VLLM_ENV_DIR, engine_actor_options, feature_batch
+
+VLLM_PYTHON = VLLM_ENV_DIR / "bin" / "python"
 
 
 def test_backend_defaults_to_transformers_and_bad_values_are_one_line():
@@ -135,19 +139,25 @@ def test_layer_ids_map_to_vllm_aux_ids_with_the_lm_head_input_last():
     assert torch.equal(ctx_TF, torch.cat([states_TKD[:, 1], states_TKD[:, 2], states_TKD[:, 2], states_TKD[:, 0]], -1))
 
 
-def test_the_capture_plugin_wheel_holds_one_module_and_its_entry_point(tmp_path):
-    """What launch/make_vllm_env.py installs into vLLM's environment: pip's RECORD lists every file with its hash,
-    vLLM finds the `vllm.general_plugins` entry point, and the module does nothing outside our engines."""
-    import base64
-    import hashlib
+def _make_vllm_env():
     import importlib.util
-    import zipfile
 
     from launch_helpers import REPO
 
     spec = importlib.util.spec_from_file_location("make_vllm_env", REPO / "launch" / "make_vllm_env.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_capture_plugin_wheel_holds_one_module_and_its_entry_point(tmp_path):
+    """What launch/make_vllm_env.py installs into vLLM's environment: pip's RECORD lists every file with its hash,
+    vLLM finds the `vllm.general_plugins` entry point, and the module does nothing outside our engines."""
+    import base64
+    import hashlib
+    import zipfile
+
+    mod = _make_vllm_env()
     wheel = mod.plugin_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
@@ -168,6 +178,44 @@ def test_the_capture_plugin_wheel_holds_one_module_and_its_entry_point(tmp_path)
     exec(compile(source, "dspark_vllm_plugin.py", "exec"), namespace)
     os.environ.pop("VLLM_DSPARK_CAPTURE_ARCH", None)
     namespace["register"]()  # outside our engines: imports nothing (no vllm here), registers nothing
+
+
+def test_the_triton_interpreter_wheel_is_a_module_and_its_pth_and_is_inert_unless_asked(tmp_path):
+    """The CPU build's stand-in (docs/vllm-serving.md): the wheel holds the module and the .pth that imports it at
+    interpreter start; without DSPARK_TRITON_INTERPRETER=1 the module imports nothing and sets nothing. (What it does
+    when asked, vLLM's HAS_TRITON turning true, is checked in the vLLM environment: make_vllm_env.py after
+    installing, and tests/test_vllm_contract.py's vllm-marked test.)"""
+    import zipfile
+
+    mod = _make_vllm_env()
+    wheel = mod.interpreter_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as z:
+        info = f"{mod.INTERPRETER}-{mod.INTERPRETER_VERSION}.dist-info"
+        assert set(z.namelist()) == {f"{mod.INTERPRETER}.py", f"{mod.INTERPRETER}.pth",
+                                     *(f"{info}/{n}" for n in ("METADATA", "WHEEL", "RECORD"))}
+        assert z.read(f"{mod.INTERPRETER}.pth").decode() == f"import {mod.INTERPRETER}\n"
+        source = z.read(f"{mod.INTERPRETER}.py").decode()
+    code = (f"import sys, os; exec(compile({source!r}, 'm.py', 'exec'), {{}}); "
+            "print('triton' in sys.modules, os.environ.get('TRITON_INTERPRET'))")
+    env = {k: v for k, v in os.environ.items() if k not in (mod.INTERPRETER_FLAG, "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "None"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM environment at {VLLM_PYTHON}")
+def test_the_stand_in_turns_vllms_triton_gate_on_only_when_asked():
+    """In the vLLM environment make_vllm_env.py made: off, Triton has no "cpu" backend and vLLM disables Triton (the
+    V1 runner, as installed); on, vLLM's HAS_TRITON is true (Model Runner V2 can start) and kernels are interpreted."""
+    mod = _make_vllm_env()
+    code = ("import os, triton.backends, vllm.triton_utils.importing as i; "
+            "print('cpu' in triton.backends.backends, i.HAS_TRITON, os.environ.get('TRITON_INTERPRET'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    for flag, want in (("0", ["False", "False", "None"]), ("1", ["True", "True", "1"])):
+        res = subprocess.run([str(VLLM_PYTHON), "-c", code], env={**env, mod.INTERPRETER_FLAG: flag},
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.split()[-3:] == want, res.stdout
 
 
 @pytest.mark.parametrize("transport", ["shm", "file"])
