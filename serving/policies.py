@@ -44,6 +44,18 @@ ranked above it, whose survivals depend on other requests' drafts and on x_{r,<j
 decides (r, j) from Θ up to and including a_{r,j}, which depends on x_{r,<j} only. The step is then exactly
 `algorithm1` (it just is not computed off the critical path); a stale-based capacity mixed with per-request
 fallbacks would need its own argument, and the fallback lasts two steps per request.
+
+vLLM's rule (vLLM 0.32.0, vllm/v1/worker/gpu/spec_decode/adaptive_verification.py; docs/vllm-scheduler.md):
+- vllm_budget(stale, ...)     AdaptiveVerificationManager.get_num_tokens (:282-350): over the R scheduled requests
+                              (prefills included), the survivals of the stale confidences of the slots each request
+                              has drafts for, sorted; budget b = the first argmax over b = 0..cap of
+                              (S + Σ top-b survivals) / (draft_ms[R] + verify_ms[N + b]), S = requests that sample
+                              this step, N = their non-draft tokens (1 per decode, the chunk per prefill).
+- vllm_admit(conf, drafts, b) _assign_draft_token_budget (:46-72): the top-b current slots by float32 survival.
+- vllm_adaptive(conf, stale, draft_ms, verify_ms)   both, for a batch of decode requests with γ drafts each.
+Its stale confidences are the request's previous round (ones in its first); it has no early-stop fallback.
+Exact ties at the admission boundary across requests: torch.topk picks among them in no documented order (on
+CPU it is not index order); vllm_admit takes them by position, then request, as rank_slots does.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from collections.abc import Callable
 import numpy as np
 
 __all__ = ["algorithm1", "async_allocate", "async_capacity", "asynchronous", "rank_slots", "static_gamma",
-           "theta_curve", "threshold"]
+           "theta_curve", "threshold", "vllm_adaptive", "vllm_admit", "vllm_budget"]
 
 SPS = Callable[[np.ndarray], np.ndarray]  # SPS(B) steps per second, vectorised (serving.sps.SPSTable)
 
@@ -69,9 +81,11 @@ def _conf(conf_RK: np.ndarray) -> np.ndarray:
 
 def rank_slots(conf_RK: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All slots (r, j) ranked by survival descending, ties by position then request: (a_M, r_M, j_M), j 1-based."""
-    c_RK = _conf(conf_RK)
-    R, K = c_RK.shape
-    a_RK = np.cumprod(c_RK, axis=1)
+    return _rank_survival(np.cumprod(_conf(conf_RK), axis=1))
+
+
+def _rank_survival(a_RK: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    R, K = a_RK.shape
     r_RK, j_RK = np.meshgrid(np.arange(R), np.arange(1, K + 1), indexing="ij")
     a_M, r_M, j_M = a_RK.ravel(), r_RK.ravel(), j_RK.ravel()
     order_M = np.lexsort((r_M, j_M, -a_M))  # last key is the primary one
@@ -162,3 +176,78 @@ def asynchronous(conf_RK: np.ndarray, stale_RK: np.ndarray, sps: SPS) -> np.ndar
     if np.isnan(s_RK).any(axis=1).any():
         return algorithm1(c_RK, sps)
     return async_allocate(c_RK, async_capacity(s_RK, sps))
+
+
+def _draft_counts(drafts_R, R: int, K: int) -> np.ndarray:
+    d_R = np.asarray(drafts_R)
+    if (d_R.shape != (R,) or not np.issubdtype(d_R.dtype, np.integer) or d_R.min(initial=0) < 0
+            or d_R.max(initial=0) > K):
+        raise ValueError(f"drafts must be {R} integer counts in 0..{K}, got {d_R.tolist()}")
+    return d_R.astype(np.int64)
+
+
+def vllm_budget(stale_RK: np.ndarray, drafts_R: np.ndarray, non_draft_R: np.ndarray, sampling_R: np.ndarray,
+                draft_ms_N: np.ndarray, verify_ms_N: np.ndarray, max_total_logits: int | None = None,
+                num_bonus_tokens: int = 1) -> int:
+    """vLLM's draft budget: how many draft tokens the step verifies (get_num_tokens; its arithmetic, in its order).
+
+    stale_RK: the confidences vLLM's buffer holds for each scheduled request (float32 values); drafts_R: drafts
+    scheduled per request (0 for a prefill); non_draft_R: its other scheduled tokens; sampling_R: whether it samples
+    this step (a decode, or a prefill's last chunk); draft_ms_N, verify_ms_N: serving.sps.vllm_cost_tables.
+    max_total_logits caps the budget at max_total_logits − R·num_bonus_tokens (vLLM: the rows of one
+    rejection-sampling chunk, 2^30 bytes of fp32 logits; None: no cap).
+    """
+    s_RK = np.asarray(stale_RK, dtype=np.float64)
+    if s_RK.ndim != 2 or s_RK.shape[0] == 0:
+        raise ValueError(f"stale confidences must be [R requests, K positions] with R >= 1, got shape {s_RK.shape}")
+    R, K = s_RK.shape
+    d_R = _draft_counts(drafts_R, R, K)
+    n_R, samp_R = np.asarray(non_draft_R, dtype=np.int64), np.asarray(sampling_R, dtype=bool)
+    if n_R.shape != (R,) or samp_R.shape != (R,):
+        raise ValueError(f"non_draft_R and sampling_R need one entry per request ({R})")
+    valid_RK = np.arange(K)[None, :] < d_R[:, None]
+    scores_M = np.sort(np.cumprod(s_RK, axis=1)[valid_RK])[::-1]
+    N = int(n_R.sum())
+    cap = int(d_R.sum())
+    if max_total_logits is not None:
+        cap = min(cap, max(0, max_total_logits - R * num_bonus_tokens))
+    if R >= len(draft_ms_N) or N + cap >= len(verify_ms_N):
+        raise ValueError(f"cost tables too short: need draft_ms[{R}] and verify_ms[{N + cap}], have "
+                         f"{len(draft_ms_N)} and {len(verify_ms_N)} entries")
+    S = int(np.count_nonzero(samp_R))
+    gain_B1 = np.concatenate(([S], S + np.cumsum(scores_M[:cap])))
+    cost_B1 = draft_ms_N[R] + verify_ms_N[N:N + cap + 1]
+    return int(np.argmax(gain_B1 / cost_B1))
+
+
+def vllm_admit(conf_RK: np.ndarray, drafts_R: np.ndarray, budget: int) -> np.ndarray:
+    """vLLM's admission: ℓ_R from the `budget` best current slots (_assign_draft_token_budget; every scheduled
+    draft when the budget covers them, as reallocate_drafts does). Survival as vLLM computes it on CPU: the
+    confidences in float32, their running product accumulated in float64 (torch's CPU cumprod) and stored as
+    float32. Exact ties are taken by position, then request (vLLM's torch.topk: unspecified, module docstring)."""
+    c_RK = _conf(conf_RK).astype(np.float32)
+    R, K = c_RK.shape
+    d_R = _draft_counts(drafts_R, R, K)
+    if not (isinstance(budget, int | np.integer) and 0 <= budget <= d_R.sum()):
+        raise ValueError(f"budget must be an integer in 0..{int(d_R.sum())} (the scheduled drafts), got {budget!r}")
+    if budget == d_R.sum():
+        return d_R
+    a_RK = np.cumprod(c_RK.astype(np.float64), axis=1).astype(np.float32)
+    a_RK[np.arange(K)[None, :] >= d_R[:, None]] = -np.inf  # slots without a draft never outrank a real one
+    _, r_M, _ = _rank_survival(a_RK)
+    return _lengths(r_M, int(budget), R)
+
+
+def vllm_adaptive(conf_RK: np.ndarray, stale_RK: np.ndarray, draft_ms_N: np.ndarray,
+                  verify_ms_N: np.ndarray) -> np.ndarray:
+    """vLLM's adaptive verification of R decode requests with γ = K drafts each (one non-draft token each, all
+    sampling): the budget from the stale confidences, admission by the current ones."""
+    c_RK = _conf(conf_RK)
+    s_RK = np.asarray(stale_RK, dtype=np.float64)
+    if s_RK.shape != c_RK.shape:
+        raise ValueError(f"stale confidences must have the current ones' shape {c_RK.shape}, got {s_RK.shape}")
+    R, K = c_RK.shape
+    drafts_R = np.full(R, K, dtype=np.int64)
+    budget = vllm_budget(s_RK, drafts_R, np.ones(R, dtype=np.int64), np.ones(R, dtype=bool), draft_ms_N,
+                         verify_ms_N)
+    return vllm_admit(c_RK, drafts_R, budget)

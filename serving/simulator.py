@@ -26,6 +26,10 @@ Staleness of the asynchronous policy: its "stale" input for slot r is the confid
 steps earlier (even when a new request has since taken the slot: the engine's double buffer is per slot). In
 the first two steps there is nothing older: the stale input is NaN there, and the policy falls back to Algorithm 1
 with its early stop (serving.policies.asynchronous; the current confidences must never stand in for stale ones).
+vLLM's adaptive verification (`vllm_policy`, docs/vllm-scheduler.md) reads another "stale": its budget uses the
+request's previous round (the confidences recorded two engine steps before, at the step that drafted the round
+verified one step before), and ones in a request's first round (vLLM resets the row when a request is added).
+Policy.stale names which of the two a policy is given.
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ from pathlib import Path
 import numpy as np
 
 from serving import policies as pol
-from serving.sps import SPSTable
+from serving.sps import SPSTable, vllm_cost_curves, vllm_cost_tables
 
-__all__ = ["Policy", "RecordedRound", "SimResult", "algorithm1_policy", "async_policy", "pareto_plot", "simulate",
-           "static_policy", "sweep", "threshold_policy", "verify_len_plot"]
+__all__ = ["STALE", "Policy", "RecordedRound", "SimResult", "algorithm1_policy", "async_policy", "pareto_plot",
+           "simulate", "static_policy", "sweep", "threshold_policy", "verify_len_plot", "vllm_policy"]
+
+# what a policy's stale input is: "two_steps" the slot's confidences two engine steps earlier (NaN before there are
+# any); "previous_round" the request's previous round (ones in its first round), vLLM's double buffer
+STALE = ("two_steps", "previous_round")
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ class Policy:
     # old yet; sps(B) is the engine's whole step rate (simulate: engine_sps)
     choose: Callable[[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]], np.ndarray]
     draft_positions: int | None = None  # positions drafted per round; None = all K
+    stale: str = "two_steps"  # one of STALE
+
+    def __post_init__(self):
+        if self.stale not in STALE:
+            raise ValueError(f"Policy.stale must be one of {list(STALE)}, got {self.stale!r}")
 
 
 def static_policy(gamma: int, name: str | None = None) -> Policy:
@@ -82,6 +95,24 @@ def async_policy() -> Policy:
     """Capacity from the stale confidences, allocation by the current ones (the production variant); Algorithm 1
     with its early stop in the first two steps, where no stale confidences exist."""
     return Policy("async", pol.asynchronous)
+
+
+def vllm_policy(sps: SPSTable, draft_s: float, cudagraph_limit: int | None = None) -> Policy:
+    """vLLM 0.32.0's adaptive verification (serving.policies.vllm_adaptive) planning with vLLM's cost tables of
+    `sps` and a draft time of `draft_s` seconds per step (pass the table and draft time the simulation charges),
+    on vLLM's stale confidences (the previous round). cudagraph_limit: vLLM's largest captured size; None = the
+    table's largest measured size (every measured size a captured bucket: the table's "step" lookup)."""
+    draft_curve, verify_curve = vllm_cost_curves(sps, draft_s)
+    limit = int(sps.batch_sizes[-1]) if cudagraph_limit is None else cudagraph_limit
+    tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def choose(conf_RK: np.ndarray, stale_RK: np.ndarray, _engine_sps) -> np.ndarray:
+        R, K = conf_RK.shape
+        if (R, K) not in tables:  # a table entry depends only on its own size, so any long-enough table will do
+            tables[R, K] = vllm_cost_tables(draft_curve, verify_curve, R, R * (K + 1), limit)
+        return pol.vllm_adaptive(conf_RK, stale_RK, *tables[R, K])
+
+    return Policy("vLLM adaptive", choose, stale="previous_round")
 
 
 @dataclass(frozen=True)
@@ -136,13 +167,17 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
     tok_R = np.zeros(R, dtype=np.int64)
     next_stream = R
     history: list[np.ndarray] = []  # conf_RK of the last two steps, oldest first
+    previous_RK = np.ones((R, K))  # each request's previous round; ones before its first (vLLM's reset)
     draft_s = float(draft_time_s(drafted))  # the same every step: the policy drafts the same positions
     engine_sps = engine_curve(sps, draft_s)
     now, tokens, sum_ell, sum_B, finished = 0.0, 0, 0, 0, []
     for _ in range(num_steps):
         conf_RK = np.stack([conf_streams[s][p] for s, p in zip(stream_R, pos_R)])
         n_R = np.array([n_streams[s][p] for s, p in zip(stream_R, pos_R)])
-        stale_RK = history[0] if len(history) == 2 else np.full_like(conf_RK, np.nan)  # two steps old, or none
+        if policy.stale == "previous_round":
+            stale_RK = previous_RK
+        else:
+            stale_RK = history[0] if len(history) == 2 else np.full_like(conf_RK, np.nan)  # two steps old, or none
         ell_R = np.asarray(policy.choose(conf_RK, stale_RK, engine_sps))
         if ell_R.shape != (R,) or ell_R.min() < 0 or ell_R.max() > K:
             raise ValueError(f"policy {policy.name!r} returned {ell_R.tolist()}; need {R} lengths in 0..{K}")
@@ -154,9 +189,11 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
         sum_B += B
         tok_R += emitted_R
         history = (history + [conf_RK])[-2:]
+        previous_RK = conf_RK.copy()
         pos_R += 1
         for r in np.flatnonzero(pos_R == np.array([len(n_streams[s]) for s in stream_R])):
             finished.append(tok_R[r] / (now - start_R[r]))  # the request is done: its own tokens per second
+            previous_RK[r] = 1.0
             stream_R[r], pos_R[r], start_R[r], tok_R[r] = next_stream % S, 0, now, 0
             next_stream += 1
     # requests still running at the horizon count with the part of their life simulated so far

@@ -19,6 +19,13 @@ Lookup rule (`SPSTable.__call__`), by the table's meta "interpolation":
 calls). The caller (a launch script) passes a function that runs the real target on B tokens spread over R
 requests with a KV context; on a GPU it must synchronise (pass `sync=torch.cuda.synchronize`). This module ships
 no measured GPU numbers: a table is only as good as the run that measured it, which its `meta` records.
+
+vLLM's adaptive verification plans with two cost tables in milliseconds instead (docs/vllm-scheduler.md):
+draft_ms[n requests] and verify_ms[n tokens], built from profiled (size, ms) curves by
+`build_cost_tables_from_curves` (vllm/v1/worker/gpu/spec_decode/adaptive_verification.py:80-128 in vLLM 0.32.0).
+`vllm_cost_curves(table, draft_s)` turns an SPS table into such curves and `vllm_cost_tables` is that function
+reproduced (serving/ never imports vllm), so serving.policies.vllm_budget plans exactly as vLLM does;
+bench/scheduler_vllm.py checks the tables against vLLM's own, element by element.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import numpy as np
 
 from serving._io import atomic_write_json, read_json
 
-__all__ = ["INTERPOLATIONS", "REQUIRED_META", "SPSTable", "measure_sps"]
+__all__ = ["INTERPOLATIONS", "REQUIRED_META", "SPSTable", "measure_sps", "vllm_cost_curves", "vllm_cost_tables"]
 
 INTERPOLATIONS = ("step", "linear")  # meta "interpolation": how SPSTable looks up B between measured sizes
 
@@ -143,3 +150,48 @@ def measure_sps(step_fn: Callable[[int], object], batch_sizes: Sequence[int], re
     info = {"hardware": platform.platform(), "date": _dt.date.today().isoformat(),
             "method": f"measure_sps: median of {repeats} timed steps after {warmup} warm-up, per batch size"}
     return SPSTable(batch_sizes, steps_per_s, {**info, **dict(meta or {})})
+
+
+Curve = list[tuple[int, float]]  # (size, milliseconds) samples, sizes increasing
+
+
+def vllm_cost_curves(table: SPSTable, draft_s: float) -> tuple[Curve, Curve]:
+    """(draft_curve, verify_curve) in vLLM's form: the verify curve is the table's measured sizes with their step
+    times in ms; the draft curve is one point, a draft time that does not depend on the number of requests (the
+    simulator's assumption: drafting is batched, charged once per step)."""
+    if not draft_s >= 0:
+        raise ValueError(f"draft time must be >= 0 seconds, got {draft_s!r}")
+    verify = [(int(b), 1e3 * float(t)) for b, t in zip(table.batch_sizes, 1.0 / table.steps_per_s)]
+    return [(1, 1e3 * float(draft_s))], verify
+
+
+def vllm_cost_tables(draft_curve: Curve, verify_curve: Curve, max_num_reqs: int, max_batch_tokens: int,
+                     cudagraph_limit: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(draft_ms_N, verify_ms_N), N = 0..max_num_reqs and 0..max_batch_tokens: vLLM 0.32.0's
+    build_cost_tables_from_curves (adaptive_verification.py:80-128), the same NumPy operations in the same order.
+
+    Per table: the curve's times made non-decreasing (running maximum); at or below `cudagraph_limit` (and
+    everywhere when it is 0) a size costs what the next profiled size costs (padding to the captured size); above
+    it, linear interpolation between the profiled sizes that are themselves above it; above the last profiled
+    size, linear extrapolation from the last two. Then the draft table is clamped at >= 0 ms, the verify table
+    at >= 1e-6 ms.
+    """
+    def build(limit: int, curve: Curve) -> np.ndarray:
+        xs, ys = np.asarray(curve, dtype=np.float64).T
+        ys = np.maximum.accumulate(ys)
+        values = np.arange(limit + 1)
+        result = ys[np.minimum(np.searchsorted(xs, values, side="left"), len(xs) - 1)]
+        if cudagraph_limit:
+            smooth, above = values > cudagraph_limit, xs > cudagraph_limit
+            if smooth.any() and above.any():
+                result[smooth] = np.interp(values[smooth], xs[above], ys[above])
+        if len(xs) > 1:
+            after = values > xs[-1]
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            result[after] = ys[-1] + slope * (values[after] - xs[-1])
+        return result
+
+    if not draft_curve or not verify_curve:
+        raise ValueError("vLLM's cost tables need a non-empty draft curve and verify curve")
+    return (np.maximum(build(max_num_reqs, draft_curve), 0.0),
+            np.maximum(build(max_batch_tokens, verify_curve), 1e-6))
