@@ -24,15 +24,16 @@
    same stale and current confidences of the decoding requests, planning with the table plus the draft time and
    blind to prefills) is compared too. A step whose admitted counts differ from vLLM's while the admitted
    survivals are the same values is an exact tie across requests at the boundary, which torch.topk breaks in no
-   documented order (`tie_breaks`); any other difference is `other_mismatches`.
+   documented order (`tie_breaks`); any other difference is `other_mismatches` (for our asynchronous policy:
+   `async_other_mismatches`).
 5. Θ: serving.simulator on the same streams, table and draft time, without prefills (the simulator has none):
    our async policy (stale = two steps old, Algorithm 1 until a slot has them) and vllm_policy (vLLM's rule and
    stale input), tokens per second of simulated engine time.
 
 Needs the vLLM environment (~/.cache/dspark/vllm-0.32.0, docs/vllm-serving.md; --vllm-python names another).
 Last line (fractions of the steps with drafts scheduled; theta in simulated tokens/s):
-scheduler engine=vllm steps=N requests=R tables_equal=T budget_equal=F admitted_equal=F stale_equal=F tie_breaks=K
-other_mismatches=M async_admitted_equal=F theta_async=A theta_vllm=B
+scheduler engine=vllm steps=N requests=R tables_equal=T budget_equal=F stale_equal=F admitted_equal=F tie_breaks=K
+other_mismatches=M async_admitted_equal=F async_other_mismatches=M theta_async=A theta_vllm=B
 """
 
 from __future__ import annotations
@@ -131,42 +132,43 @@ def survival32(conf_RK: np.ndarray) -> np.ndarray:
     return np.cumprod(conf_RK.astype(np.float32).astype(np.float64), axis=1).astype(np.float32)
 
 
-def admitted_values(a_RK: np.ndarray, ell_R: np.ndarray) -> list[float]:
-    """The survivals of the admitted slots, sorted: what a step's expected tokens depend on."""
-    return sorted(a_RK[r, j] for r in range(len(ell_R)) for j in range(ell_R[r]))
+def agreement(ell_R: np.ndarray, theirs_R: np.ndarray, a_RK: np.ndarray) -> str:
+    """"equal"; "tie" when the counts differ but the admitted survivals are the same values (an exact tie across
+    requests, broken another way: the step's expected tokens are the same); else "other"."""
+    if (ell_R == theirs_R).all():
+        return "equal"
+    def values(n_R):
+        return sorted(a_RK[r, j] for r in range(len(n_R)) for j in range(n_R[r]))
+    return "tie" if values(ell_R) == values(theirs_R) else "other"
 
 
 def compare(steps: list, result: dict, tables: tuple[np.ndarray, np.ndarray], engine_sps) -> dict:
-    """Step by step: our vllm_budget / vllm_admit and asynchronous against vLLM's result. A step whose admitted
-    counts differ but whose admitted survivals are the same values is a tie broken another way (`tie_breaks`)."""
+    """Step by step, against vLLM's result: our vllm_budget / vllm_admit (budget, admitted counts, the stale
+    confidences vLLM's buffer held) and our asynchronous policy (admitted counts), each admission as
+    equal / tie / other (agreement), overall and at the steps without a prefill."""
     draft_ms, verify_ms = tables
-    c = dict(steps=0, budget=0, admitted=0, stale=0, tie_breaks=0, decode_only=0, async_admitted=0,
-             async_decode_only=0)
+    c = {"steps": 0, "decode_only": 0, "budget": 0, "stale": 0}
     for step, got in zip(steps, result["steps"], strict=True):
         rows = step["rows"]
         drafts_R = np.array([row["drafts"] for row in rows])
         if not drafts_R.any():
             assert got["budget"] is None, f"vLLM budgeted a step without drafts: {got}"
             continue
-        c["steps"] += 1
         stale_RK, conf_RK = (np.array([row[k] for row in rows]) for k in ("stale", "conf"))
         budget = pol.vllm_budget(stale_RK, drafts_R, [row["num_tokens"] - row["drafts"] for row in rows],
                                  [row["sampling"] for row in rows], draft_ms, verify_ms, result["max_total_logits"])
-        ell_R = pol.vllm_admit(conf_RK, drafts_R, budget)
-        theirs = np.array([got["admitted"][row["req"]] for row in rows])
+        theirs_R = np.array([got["admitted"][row["req"]] for row in rows])
         dec = drafts_R > 0
         their_stale = np.array([got["stale"][row["req"]] for row in rows if row["drafts"]])
-        ours_async = pol.asynchronous(conf_RK[dec], stale_RK[dec], engine_sps)
-        same, same_async = bool((ell_R == theirs).all()), bool((ours_async == theirs[dec]).all())
         a_RK = survival32(conf_RK)
+        rule = agreement(pol.vllm_admit(conf_RK, drafts_R, budget), theirs_R, a_RK)
+        ours = agreement(pol.asynchronous(conf_RK[dec], stale_RK[dec], engine_sps), theirs_R[dec], a_RK[dec])
+        c["steps"] += 1
+        c["decode_only"] += bool(dec.all())
         c["budget"] += budget == got["budget"]
-        c["admitted"] += same
-        c["tie_breaks"] += not same and admitted_values(a_RK, ell_R) == admitted_values(a_RK, theirs)
         c["stale"] += bool((their_stale == stale_RK[dec]).all())
-        c["async_admitted"] += same_async
-        if dec.all():  # no prefill in the step: the simulator's world
-            c["decode_only"] += 1
-            c["async_decode_only"] += same_async
+        for key in (f"rule_{rule}", f"async_{ours}") + ((f"async_decode_only_{ours}",) if dec.all() else ()):
+            c[key] = c.get(key, 0) + 1
     return c
 
 
@@ -215,23 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     log(f"cost tables equal to vLLM's: {tables_equal} (cudagraph limit {result['cudagraph_limit']}, logits cap "
         f"{result['max_total_logits']})")
     c = compare(steps, result, tables, sim.engine_curve(table, draft_s))
-    n = c["steps"]
-    frac = {k: c[k] / n if n else math.nan for k in ("budget", "admitted", "stale", "async_admitted")}
-    other = n - c["admitted"] - c["tie_breaks"]  # admitted other values than ours: a real disagreement
+    n, nd = c["steps"], c["decode_only"]
+    frac = {k: c.get(k, 0) / n if n else math.nan for k in ("budget", "stale", "rule_equal", "async_equal")}
     budgets = [s["budget"] for s in result["steps"] if s["budget"] is not None]
-    log(f"{n} steps with drafts ({c['decode_only']} without a prefill); vLLM's budget mean {np.mean(budgets):.2f} "
-        f"of {R * K} slots at most; admitted counts differ at {n - c['admitted']} steps, {c['tie_breaks']} of them "
-        f"an exact survival tie broken another way")
-    log(f"our asynchronous policy admits what vLLM admits at {c['async_admitted']}/{n} steps, "
-        f"{c['async_decode_only']}/{c['decode_only']} of those without a prefill")
+    log(f"{n} steps with drafts ({nd} without a prefill); vLLM's budget mean {np.mean(budgets):.2f} of {R * K} "
+        f"slots at most")
+    for who in ("rule", "async", "async_decode_only"):
+        log(f"{who}: admitted as vLLM did at {c.get(who + '_equal', 0)} steps, the same survivals with a tie broken "
+            f"another way at {c.get(who + '_tie', 0)}, other drafts at {c.get(who + '_other', 0)}")
     results = {pol_.name: sim.simulate(streams, pol_, table, R, lambda k: draft_s, args.sim_steps)
                for pol_ in (sim.async_policy(), sim.vllm_policy(table, draft_s))}
     for name, res in results.items():
         log(f"simulated {name}: {res.tokens_per_s:.1f} tok/s, mean verified {res.mean_verify_len:.3f}, "
             f"tau {res.tau:.3f}")
     print(f"scheduler engine=vllm steps={n} requests={R} tables_equal={int(tables_equal)} "
-          f"budget_equal={frac['budget']:.3f} admitted_equal={frac['admitted']:.3f} stale_equal={frac['stale']:.3f} "
-          f"tie_breaks={c['tie_breaks']} other_mismatches={other} async_admitted_equal={frac['async_admitted']:.3f} "
+          f"budget_equal={frac['budget']:.3f} stale_equal={frac['stale']:.3f} admitted_equal={frac['rule_equal']:.3f} "
+          f"tie_breaks={c.get('rule_tie', 0)} other_mismatches={c.get('rule_other', 0)} "
+          f"async_admitted_equal={frac['async_equal']:.3f} async_other_mismatches={c.get('async_other', 0)} "
           f"theta_async={results['async'].tokens_per_s:.1f} theta_vllm={results['vLLM adaptive'].tokens_per_s:.1f}")
     return 0
 
