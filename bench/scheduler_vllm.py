@@ -31,9 +31,11 @@
    stale input), tokens per second of simulated engine time.
 
 Needs the vLLM environment (~/.cache/dspark/vllm-0.32.0, docs/vllm-serving.md; --vllm-python names another).
-Last line (fractions of the steps with drafts scheduled; theta in simulated tokens/s):
-scheduler engine=vllm steps=N requests=R tables_equal=T budget_equal=F stale_equal=F admitted_equal=F tie_breaks=K
-other_mismatches=M async_admitted_equal=F async_other_mismatches=M theta_async=A theta_vllm=B
+Last line (steps: those with drafts scheduled, trimmed: those where vLLM's budget was below the scheduled drafts;
+fractions of the steps; theta in simulated tokens/s):
+scheduler engine=vllm steps=N trimmed=T requests=R tables_equal=T budget_equal=F stale_equal=F admitted_equal=F
+tie_breaks=K other_mismatches=M async_admitted_equal=F async_other_mismatches=M theta_async=A theta_vllm=B
+(one line; wrapped here)
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def compare(steps: list, result: dict, tables: tuple[np.ndarray, np.ndarray], en
     confidences vLLM's buffer held) and our asynchronous policy (admitted counts), each admission as
     equal / tie / other (agreement), overall and at the steps without a prefill."""
     draft_ms, verify_ms = tables
-    c = {"steps": 0, "decode_only": 0, "budget": 0, "stale": 0}
+    c = {"steps": 0, "decode_only": 0, "trimmed": 0, "budget": 0, "stale": 0}
     for step, got in zip(steps, result["steps"], strict=True):
         rows = step["rows"]
         drafts_R = np.array([row["drafts"] for row in rows])
@@ -165,6 +167,7 @@ def compare(steps: list, result: dict, tables: tuple[np.ndarray, np.ndarray], en
         ours = agreement(pol.asynchronous(conf_RK[dec], stale_RK[dec], engine_sps), theirs_R[dec], a_RK[dec])
         c["steps"] += 1
         c["decode_only"] += bool(dec.all())
+        c["trimmed"] += got["budget"] < drafts_R.sum()
         c["budget"] += budget == got["budget"]
         c["stale"] += bool((their_stale == stale_RK[dec]).all())
         for key in (f"rule_{rule}", f"async_{ours}") + ((f"async_decode_only_{ours}",) if dec.all() else ()):
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     frac = {k: c.get(k, 0) / n if n else math.nan for k in ("budget", "stale", "rule_equal", "async_equal")}
     budgets = [s["budget"] for s in result["steps"] if s["budget"] is not None]
     log(f"{n} steps with drafts ({nd} without a prefill); vLLM's budget mean {np.mean(budgets):.2f} of {R * K} "
-        f"slots at most")
+        f"slots at most, below the scheduled drafts at {c['trimmed']} steps")
     for who in ("rule", "async", "async_decode_only"):
         log(f"{who}: admitted as vLLM did at {c.get(who + '_equal', 0)} steps, the same survivals with a tie broken "
             f"another way at {c.get(who + '_tie', 0)}, other drafts at {c.get(who + '_other', 0)}")
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in results.items():
         log(f"simulated {name}: {res.tokens_per_s:.1f} tok/s, mean verified {res.mean_verify_len:.3f}, "
             f"tau {res.tau:.3f}")
-    print(f"scheduler engine=vllm steps={n} requests={R} tables_equal={int(tables_equal)} "
+    print(f"scheduler engine=vllm steps={n} trimmed={c['trimmed']} requests={R} tables_equal={int(tables_equal)} "
           f"budget_equal={frac['budget']:.3f} stale_equal={frac['stale']:.3f} admitted_equal={frac['rule_equal']:.3f} "
           f"tie_breaks={c.get('rule_tie', 0)} other_mismatches={c.get('rule_other', 0)} "
           f"async_admitted_equal={frac['async_equal']:.3f} async_other_mismatches={c.get('async_other', 0)} "
