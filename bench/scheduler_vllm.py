@@ -28,8 +28,9 @@
    `async_other_mismatches`).
 5. Θ: serving.simulator on the same streams, table and draft time, without prefills (the simulator has none):
    our async policy (stale = two steps old, Algorithm 1 until a slot has them) and vllm_policy (vLLM's rule and
-   stale input), tokens per second of simulated engine time; logged beside them, our async policy given vLLM's
-   stale input (the previous round, ones in a request's first), which separates the stale input's effect.
+   stale input), tokens per second of simulated engine time; logged beside them, our async policy given the
+   previous round as its stale input, with our fallback in a request's first round and with vLLM's ones there,
+   which separate the stale input's effect from the rule's.
 
 Needs the vLLM environment (~/.cache/dspark/vllm-0.32.0, docs/vllm-serving.md; --vllm-python names another).
 Last line (steps: those with drafts scheduled, trimmed: those where vLLM's budget was below the scheduled drafts;
@@ -229,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     for who in ("rule", "async", "async_decode_only"):
         log(f"{who}: admitted as vLLM did at {c.get(who + '_equal', 0)} steps, the same survivals with a tie broken "
             f"another way at {c.get(who + '_tie', 0)}, other drafts at {c.get(who + '_other', 0)}")
-    # the middle one is ours on vLLM's stale input: it isolates what the stale input does to Θ from the rule
-    policies = (sim.async_policy(), sim.Policy("async on vLLM's stale", pol.asynchronous, stale="previous_round"),
+    # the middle two are ours on the previous round: with ones in a request's first round (vLLM's stale input) and
+    # with our fallback there; they separate what the stale input does to Θ from what the rule does
+    policies = (sim.async_policy(),
+                sim.Policy("async on the previous round", pol.asynchronous, stale="previous_round_or_none"),
+                sim.Policy("async on vLLM's stale", pol.asynchronous, stale="previous_round"),
                 sim.vllm_policy(table, draft_s))
     results = {p_.name: sim.simulate(streams, p_, table, R, lambda k: draft_s, args.sim_steps) for p_ in policies}
     for name, res in results.items():

@@ -48,8 +48,9 @@ __all__ = ["STALE", "Policy", "RecordedRound", "SimResult", "algorithm1_policy",
            "simulate", "static_policy", "sweep", "threshold_policy", "verify_len_plot", "vllm_policy"]
 
 # what a policy's stale input is: "two_steps" the slot's confidences two engine steps earlier (NaN before there are
-# any); "previous_round" the request's previous round (ones in its first round), vLLM's double buffer
-STALE = ("two_steps", "previous_round")
+# any); "previous_round" the request's previous round (ones in its first round), vLLM's double buffer;
+# "previous_round_or_none" the previous round, NaN in a request's first (so serving.policies.asynchronous falls back)
+STALE = ("two_steps", "previous_round", "previous_round_or_none")
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
     tok_R = np.zeros(R, dtype=np.int64)
     next_stream = R
     history: list[np.ndarray] = []  # conf_RK of the last two steps, oldest first
-    previous_RK = np.ones((R, K))  # each request's previous round; ones before its first (vLLM's reset)
+    previous_RK = np.full((R, K), np.nan)  # each request's previous round; NaN before its first
     draft_s = float(draft_time_s(drafted))  # the same every step: the policy drafts the same positions
     engine_sps = engine_curve(sps, draft_s)
     now, tokens, sum_ell, sum_B, finished = 0.0, 0, 0, 0, []
@@ -175,6 +176,8 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
         conf_RK = np.stack([conf_streams[s][p] for s, p in zip(stream_R, pos_R)])
         n_R = np.array([n_streams[s][p] for s, p in zip(stream_R, pos_R)])
         if policy.stale == "previous_round":
+            stale_RK = np.nan_to_num(previous_RK, nan=1.0)  # vLLM's reset of a new request's row
+        elif policy.stale == "previous_round_or_none":
             stale_RK = previous_RK
         else:
             stale_RK = history[0] if len(history) == 2 else np.full_like(conf_RK, np.nan)  # two steps old, or none
@@ -193,7 +196,7 @@ def simulate(streams: Sequence[Sequence[RecordedRound]], policy: Policy, sps: SP
         pos_R += 1
         for r in np.flatnonzero(pos_R == np.array([len(n_streams[s]) for s in stream_R])):
             finished.append(tok_R[r] / (now - start_R[r]))  # the request is done: its own tokens per second
-            previous_RK[r] = 1.0
+            previous_RK[r] = np.nan
             stream_R[r], pos_R[r], start_R[r], tok_R[r] = next_stream % S, 0, now, 0
             next_stream += 1
     # requests still running at the horizon count with the part of their life simulated so far

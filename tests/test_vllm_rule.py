@@ -108,7 +108,7 @@ def test_vllm_adaptive_is_budget_then_admission_for_decode_requests():
     assert pol.asynchronous(current, STALE_RK, engine).tolist() == [1, 2]
 
 
-def test_simulator_gives_the_vllm_policy_the_previous_round_and_ones_for_a_new_request():
+def test_simulator_gives_the_previous_round_and_ones_or_nan_for_a_new_request():
     seen = []
 
     def spy(conf_RK, stale_RK, _sps):
@@ -119,6 +119,9 @@ def test_simulator_gives_the_vllm_policy_the_previous_round_and_ones_for_a_new_r
     table = SPSTable([1, 8], [100.0, 100.0])
     sim.simulate([stream], sim.Policy("spy", spy, stale="previous_round"), table, 1, lambda k: 0.0, 5)
     assert seen == [[1.0, 1.0], [0.5, 0.4], [0.7, 0.6], [1.0, 1.0], [0.5, 0.4]]  # the stream restarts at step 3
+    seen.clear()
+    sim.simulate([stream], sim.Policy("spy", spy, stale="previous_round_or_none"), table, 1, lambda k: 0.0, 4)
+    assert np.isnan(seen[0]).all() and seen[1:3] == [[0.5, 0.4], [0.7, 0.6]] and np.isnan(seen[3]).all()
     with pytest.raises(ValueError, match="stale"):
         sim.Policy("bad", spy, stale="three_steps")
 
