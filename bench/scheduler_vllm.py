@@ -1,7 +1,7 @@
 """vLLM's adaptive-verification scheduler against ours, step by step, on recorded rounds.
 
     python bench/scheduler_vllm.py --rounds ROUNDS.parquet [--table serving/tables/gpu_stepcurve_example.json]
-        [--concurrency 8] [--steps 200] [--prefill-tokens 48] [--prefill-chunk 32] [--draft-share 0.2]
+        [--concurrency 16] [--steps 200] [--prefill-tokens 48] [--prefill-chunk 32] [--draft-share 0.2]
         [--confidences raw|recorded] [--eager] [--sim-steps 400]
 
 1. Engine steps: `--concurrency` requests at once replay the rounds of rounds.parquet's prompts (one stream per
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", required=True, help="a rounds.parquet with confidence logits (evaluation/rounds.py)")
     p.add_argument("--table", default=str(TABLE), help="an SPS table (serving/sps.py JSON)")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--steps", type=int, default=200, help="engine steps compared with vLLM")
     p.add_argument("--prefill-tokens", type=int, default=48)
     p.add_argument("--prefill-chunk", type=int, default=32)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from launch_helpers import REPO, quiet_env
-from scheduler_vllm import VLLM_PYTHON, engine_steps, float32_streams
+from scheduler_vllm import VLLM_PYTHON, agreement, engine_steps, float32_streams, survival32
 
 from evaluation.rounds import write_rounds
 from evaluation.session import RoundLog
@@ -58,6 +58,13 @@ def test_engine_steps_prefill_then_verify_with_the_previous_round_as_stale(tmp_p
     assert (fourth["conf"], fourth["stale"]) == (streams[0][1].conf, streams[0][0].conf)
     last = steps[len(streams[0]) + 2]  # stream 0's rounds are done: request 1 takes the slot with a prefill
     assert last["add"] == [["req1", 0, 5]] and last["rows"][0]["drafts"] == 0
+
+
+def test_agreement_tells_a_tie_broken_another_way_from_other_drafts():
+    a_RK = survival32(np.array([[0.9, 0.8], [0.9, 0.5]]))  # .9 .72 / .9 .45
+    assert agreement(np.array([1, 0]), np.array([1, 0]), a_RK) == "equal"
+    assert agreement(np.array([1, 0]), np.array([0, 1]), a_RK) == "tie"  # .9 either way
+    assert agreement(np.array([2, 0]), np.array([1, 1]), a_RK) == "other"  # .9 + .72 against .9 + .9
 
 
 @pytest.mark.vllm
