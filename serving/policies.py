@@ -200,6 +200,8 @@ def vllm_budget(stale_RK: np.ndarray, drafts_R: np.ndarray, non_draft_R: np.ndar
     s_RK = np.asarray(stale_RK, dtype=np.float64)
     if s_RK.ndim != 2 or s_RK.shape[0] == 0:
         raise ValueError(f"stale confidences must be [R requests, K positions] with R >= 1, got shape {s_RK.shape}")
+    if not np.all((s_RK >= 0) & (s_RK <= 1)):  # also rejects NaN: vLLM reads ones where a request has none yet
+        raise ValueError("stale confidences must be probabilities in [0, 1] (ones where a request has none yet)")
     R, K = s_RK.shape
     d_R = _draft_counts(drafts_R, R, K)
     n_R, samp_R = np.asarray(non_draft_R, dtype=np.int64), np.asarray(sampling_R, dtype=bool)

@@ -70,10 +70,13 @@ def test_budget_counts_sampling_requests_and_prefill_tokens():
     assert pol.vllm_budget(stale, drafts, non_draft, some, draft, verify, max_total_logits=7) == 0
 
 
-def test_budget_refuses_tables_too_short():
+def test_budget_refuses_tables_too_short_and_missing_stale_values():
     draft, verify = _tables(limit_tokens=6)
     with pytest.raises(ValueError, match="too short"):
         pol.vllm_budget(STALE_RK, np.array([3, 3]), np.ones(2), np.ones(2, bool), draft, verify)
+    draft, verify = _tables()
+    with pytest.raises(ValueError, match="ones where a request has none"):
+        pol.vllm_budget(np.full((2, 3), np.nan), np.array([3, 3]), np.ones(2), np.ones(2, bool), draft, verify)
 
 
 def test_admit_takes_the_top_budget_slots_of_the_current_confidences():
