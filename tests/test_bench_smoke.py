@@ -23,7 +23,8 @@ from launch_helpers import REPO, TINY_MOE, quiet_env
 BENCH = REPO / "bench"
 # modules the scripts share, not measurements: they have no figure line
 HELPERS = {"launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sweep_summary",
-           "vllm_side_dflash", "vllm_side_dspark"}  # the vLLM environment's halves of serve_vllm
+           "vllm_side_dflash", "vllm_side_dspark",  # the vLLM environment's halves of serve_vllm
+           "vllm_side_scheduler"}  # and of scheduler_vllm
 # benches this suite does not run, with the reason (the others run on the CPU with what CI installs, the SmolLM2
 # wheel and the evaluation prompt sets of the README's install line included)
 EXCLUDED: dict[str, str] = {
@@ -31,6 +32,8 @@ EXCLUDED: dict[str, str] = {
     "gpu_smoke": "tests/test_gpu_smoke.py",
     "serve_vllm": "needs the vLLM environment, which CI does not install: tests/test_serve_vllm.py runs its --quick "
                   "case (-m vllm)",
+    "scheduler_vllm": "needs the vLLM environment, which CI does not install: tests/test_scheduler_vllm.py runs it on "
+                      "synthetic rounds (-m vllm)",
     "target_backends": "needs the vLLM environment, which CI does not install; its equality with transformers is "
                        "tests/test_vllm_target.py's (-m vllm)",
 }
