@@ -88,6 +88,8 @@ CONFIG_CASES = [  # (override, what the line must say)
     ("data.max_len=5", "data.max_len (5) must exceed draft.block_size (5)"),
     ("data.source=", "data.source must be a non-empty string"),
     ("cluster.dashboard_host=", "cluster.dashboard_host must be a non-empty string"),
+    ("train.betas=[2,3", "override 'train.betas=[2,3' is not valid YAML: while parsing a flow sequence expected ','"),
+    ("train.lr={a: *b}", "override 'train.lr={a: *b}' is not valid YAML: found undefined alias 'b' at line 1"),
 ]
 
 
@@ -150,3 +152,41 @@ def test_a_bad_data_file_is_one_line_naming_the_file(run, tmp_path, name):
     path = make(tmp_path)
     line = run([*TINY_MOE, f"data.source={path}"])
     assert str(path) in line and needle in line, line
+
+
+YAML_CASES = {  # name: (the config file's bytes, what the line must say after "config file PATH ")
+    "unclosed list": (b"train:\n  lr: [1,\n", "is not valid YAML: while parsing a flow node expected the node "
+                      "content, but found '<stream end>' at line 3, column 1"),
+    "a tab for indentation": (b"train:\n\tlr: 1\n", "is not valid YAML: while scanning for the next token found "
+                              "character '\\t' that cannot start any token at line 2, column 1"),
+    "a section given twice": (b"train:\n  lr: 1\ntrain:\n  max_steps: 2\n",
+                              "is not valid YAML: key 'train' is given twice at line 3, column 1"),
+    "two documents": (b"train:\n  lr: 1\n---\ndata: {}\n", "is not valid YAML: expected a single document in the "
+                      "stream but found another document at line 3, column 1"),
+    "an undefined alias": (b"train: *defaults\n", "is not valid YAML: found undefined alias 'defaults'"),
+    "a Python tag": (b"train: !!python/object:os.system x\n", "is not valid YAML: could not determine a constructor"),
+    "not UTF-8": (b"train:\n  lr: 1 # caf\xe9\n", "is not UTF-8 text (byte 0xe9 at offset 20)"),
+    "a list at the top": (b"- train\n", "must hold a mapping at the top level, not a list"),
+}
+
+
+@pytest.mark.parametrize("name", list(YAML_CASES))
+def test_a_bad_config_file_is_one_line_naming_the_file(run, tmp_path, name):
+    text, needle = YAML_CASES[name]
+    path = tmp_path / "run.yaml"
+    path.write_bytes(text)
+    line = run(["--config", str(path)])
+    assert line.startswith(f"error: config file {path} ") and needle in line, line
+
+
+def test_a_config_path_that_is_a_directory(run, tmp_path):
+    assert run(["--config", str(tmp_path)]) == f"error: config file {tmp_path} is a directory, not a YAML file"
+
+
+def test_flags_and_overrides_come_in_any_order(launch):
+    args = launch.parse_args(["train.lr=3e-4", "--single-process", "data.max_len=256", "--max-steps", "3",
+                              "train.seed=7"])
+    assert args.single_process and args.max_steps == 3
+    assert args.overrides == ["train.lr=3e-4", "data.max_len=256", "train.seed=7"]
+    cfg = launch.build_config(args)
+    assert (cfg.train.lr, cfg.data.max_len, cfg.train.max_steps, cfg.train.seed) == (3e-4, 256, 3, 7)
