@@ -137,6 +137,33 @@ DATA_CASES = {  # name: (make the file in tmp_path, what the line must say besid
 }
 
 
+def _zst(path, *lines: str, cut: int | None = None):
+    import zstandard
+
+    data = zstandard.ZstdCompressor().compress("".join(line + "\n" for line in lines).encode())
+    path.write_bytes(data[:cut])
+    return path
+
+
+def _gz(path, *lines: str):
+    import gzip
+
+    path.write_bytes(gzip.compress("".join(line + "\n" for line in lines).encode()))
+    return path
+
+
+DATA_CASES.update({
+    "truncated .jsonl.zst": (lambda d: _zst(d / "cut.jsonl.zst", *[GOOD] * 50, cut=40),
+                             "is not a readable zstd file (EOFError: the file ends inside a zstd frame)"),
+    "a .jsonl.gz that is not gzip": (lambda d: _jsonl(d / "plain.jsonl.gz", GOOD),
+                                     "is not a readable gzip file (BadGzipFile: Not a gzipped file"),
+    "a bad line inside a .jsonl.zst": (lambda d: _zst(d / "broken.jsonl.zst", GOOD, '{"text": "unfinished'),
+                                       "line 2 is not valid JSON"),
+    "a bad line inside a .jsonl.gz": (lambda d: _gz(d / "numbers.jsonl.gz", GOOD, "42"),
+                                      "line 2 is a JSON int, not an object"),
+})
+
+
 def _bad_progress(d):
     (d / "stage").mkdir()
     (d / "stage" / "progress.json").write_text("{not json")
