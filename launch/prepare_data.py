@@ -100,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_unfinished and not args.regenerate:
             raise ValueError("--keep-unfinished needs --regenerate (it keeps the target's own cut replies)")
         from workers.frozen_target.model import load_tokenizer, resolve_target_path
+        from workers.frozen_target.target_files import check_target_files
 
         target = resolve_target_path(args.target)
+        check_target_files(target)
         tokenizer = load_tokenizer(target)
         params = (GenParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed,
                             args.keep_unfinished)

@@ -217,3 +217,90 @@ def test_flags_and_overrides_come_in_any_order(launch):
     assert args.overrides == ["train.lr=3e-4", "data.max_len=256", "train.seed=7"]
     cfg = launch.build_config(args)
     assert (cfg.train.lr, cfg.data.max_len, cfg.train.max_steps, cfg.train.seed) == (3e-4, 256, 3, 7)
+
+
+# --- the target directory: every file of it ---------------------------------------------------------------------
+
+
+def _target_copy(d):
+    import shutil
+
+    from workers.frozen_target.model import resolve_target_path
+
+    out = d / "target"
+    shutil.copytree(resolve_target_path("tiny-qwen3-moe"), out)
+    return out
+
+
+def _edit_config(**changes):
+    def damage(t):
+        cfg = json.loads((t / "config.json").read_text())
+        cfg.update(changes)
+        (t / "config.json").write_text(json.dumps(cfg))
+    return damage
+
+
+def _cut(name, keep):
+    def damage(t):
+        (t / name).write_bytes((t / name).read_bytes()[:keep])
+    return damage
+
+
+def _write(name, data: bytes):
+    def damage(t):
+        (t / name).write_bytes(data)
+    return damage
+
+
+TARGET_CASES = {  # name: (damage the copied target dir, (file, what the line must say after "target FILE"))
+    "config.json cut short": (_cut("config.json", 40), ("config.json", " is not valid JSON (")),
+    "config.json empty": (_write("config.json", b""), ("config.json", " is empty")),
+    "config.json without model_type": (_edit_config(model_type=None), ("config.json", " names no model_type")),
+    "config.json of an unknown model_type": (_edit_config(model_type="nope"),
+                                             ("config.json", " is not a config transformers can build (")),
+    "other attention heads in config.json than in the weights": (_edit_config(num_attention_heads=8), (
+        "model.safetensors", ": model.layers.0.self_attn.o_proj.weight is [64, 64], but config.json makes it "
+        "[64, 128]")),
+    "more layers in config.json than weights": (_edit_config(num_hidden_layers=5), (
+        "", ": config.json says num_hidden_layers 5, but the weights hold no layer 3 (nor 1 more)")),
+    "another vocab_size in config.json": (_edit_config(vocab_size=1000), (
+        "model.safetensors", ": lm_head.weight is [49152, 64], but config.json makes it [1000, 64]")),
+    "weights cut short": (_cut("model.safetensors", 5000), (
+        "model.safetensors", " is not a readable safetensors file (SafetensorError: Error while deserializing header")),
+    "weights not safetensors": (_write("model.safetensors", b"x" * 5000), (
+        "model.safetensors", " is not a readable safetensors file (SafetensorError: ")),
+    "no weights": (lambda t: (t / "model.safetensors").unlink(), ("", " holds no weights (*.safetensors)")),
+    "an index naming a missing shard": (_write("model.safetensors.index.json", json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}).encode()),
+        ("model.safetensors.index.json", " names 1 file(s) ")),
+    "tokenizer.json cut short": (_cut("tokenizer.json", 100), ("tokenizer.json", " is not valid JSON (")),
+    "generation_config.json not UTF-8": (_write("generation_config.json", b'{"x": "\xff"}'),
+                                         ("generation_config.json", " is not UTF-8 text (byte 0xff at offset 7)")),
+    "no tokenizer": (lambda t: (t / "tokenizer.json").unlink(), (
+        "", " has no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json)")),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGET_CASES))
+def test_a_bad_target_file_is_one_line_naming_it(run, tmp_path, name):
+    damage, (file, needle) = TARGET_CASES[name]
+    target = _target_copy(tmp_path)
+    damage(target)
+    line = run([*TINY_MOE, f"target.path={target}"])
+    where = target / file if file else target
+    assert line.startswith(f"error: target {where}{needle}"), line
+
+
+def test_a_chat_template_that_does_not_compile_names_its_file_and_line(run, tmp_path):
+    target = _target_copy(tmp_path)
+    (target / "chat_template.jinja").write_text("{{ bos_token }}\n{% for m in %}")
+    line = run([*TINY_MOE, f"target.path={target}"])
+    assert line == (f"error: target {target / 'chat_template.jinja'} line 2: the chat template does not compile "
+                    "(Expected an expression, got 'end of statement block')"), line
+
+
+def test_a_damaged_gguf_target_is_one_line(run, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 64)
+    line = run([*TINY_MOE, f"target.path={path}"])
+    assert line.startswith(f"error: target {path} is not a readable GGUF file ("), line
