@@ -16,6 +16,7 @@ neither is installed.
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ from torch import nn
 
 from draft_model.batch import BlockBatch
 from pipeline.config import RunConfig
+from pipeline.metrics import drop_log_message
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import Ledger
 from workers.trainer.loop import resume, resume_ledger
@@ -62,6 +64,11 @@ def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig, load_universal: bool
     and, through the hooks on DraftWithLoss's output tensors, again for its backward."""
     import deepspeed
 
+    # DeepSpeed 0.19.8's ZeRO all-gathers call torch's deprecated name: a FutureWarning on every step of every rank,
+    # nothing a user can act on. Its learning-rate query before the scheduler's first step logs a warning per rank.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+    drop_log_message("DeepSpeed", "Attempting to get learning rate from scheduler before it has started")
     w2 = module.draft.head_w2()
     if cfg.train.zero_stage == 3 and w2 is not None:
         deepspeed.zero.register_external_parameter(module, w2)
