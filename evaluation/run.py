@@ -29,6 +29,7 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
 
     from evaluation.drafters import AUTOREGRESSIVE, TargetOnly, load_drafter
     from evaluation.evaluate import evaluate_many
+    from evaluation.progress import EvalProgress
     from evaluation.prompts import resolve_prompt_sets
     from evaluation.report import write_report
     from evaluation.rounds import write_rounds
@@ -67,8 +68,13 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
         fresh = {}
         if todo:
             t0 = time.time()
-            fresh = dict(zip(todo, evaluate_many(target, tok, [drafters[name] for name in todo], prompts,
-                                                 temperature, max_new_tokens, seed=0, deadline_s=deadline)))
+            progress = EvalProgress(f"eval T={temperature:g}", len(todo) * sum(map(len, prompts.values())), log)
+            try:
+                fresh = dict(zip(todo, evaluate_many(target, tok, [drafters[name] for name in todo], prompts,
+                                                     temperature, max_new_tokens, seed=0, deadline_s=deadline,
+                                                     progress=progress)))
+            finally:
+                progress.close()
             decoded_together = f"{time.time():.6f}"  # which results were decoded in turn (speedup_table pairs them)
             for res in fresh.values():
                 res["decode_batch"] = decoded_together
