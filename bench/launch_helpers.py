@@ -59,12 +59,13 @@ def console_errors(output: str) -> list[str]:
 
 
 # Third-party messages known to be harmless in a run, each silenced by its text where it arises (workers/__init__.py,
-# workers/driver.connect_ray, workers/trainer/engines.deepspeed_engine): a console showing one is a regression.
+# workers/driver.connect_ray, workers/trainer/engines.quiet_deepspeed): a console showing one is a regression.
 SILENCED = (
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "Attempting to get learning rate from scheduler before it has started",
     "Token authentication is enabled for this Ray cluster.",
     "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
 )
 _STEP_LINE = re.compile(r"\bstep \d+/\d+ \| loss ")
 _WORKER_TAG = re.compile(r"^\((?:\w+) pid=\d+(?:, ip=[\d.]+)?\)\s*")

@@ -263,3 +263,36 @@ def test_compiled_draft_layers_match_eager():
         torch.testing.assert_close(l_comp, l_eager, atol=1e-5, rtol=1e-5)
         for a, b in zip(g_comp, g_eager):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_quiet_deepspeed_silences_only_its_known_messages(capsys):
+    """issue #47: DeepSpeed's known-harmless messages go, by their text; the rest of what it says still prints."""
+    import logging
+    import warnings
+
+    pytest.importorskip("deepspeed")
+    import deepspeed.comm.torch as ds_comm
+
+    from workers.trainer.engines import SHM_NOTICE, quiet_deepspeed
+
+    quiet_deepspeed()
+    ds_comm.print(SHM_NOTICE)
+    ds_comm.print("DeepSpeed another op built successfully")
+    assert capsys.readouterr().out == "DeepSpeed another op built successfully\n"
+    kept = []
+    handler = logging.Handler()
+    handler.emit = lambda record: kept.append(record.getMessage())
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Attempting to get learning rate from scheduler before it has started")
+        logger.warning("Attempting something else")
+    finally:
+        logger.removeHandler(handler)
+    assert kept == ["Attempting something else"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.filterwarnings("default")  # what a test runner sets is replaced: quiet_deepspeed's filter goes first
+        quiet_deepspeed()
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
+    assert [str(w.message)[:40] for w in seen] == ["`torch.distributed.reduce_scatter_tensor"]
