@@ -457,7 +457,6 @@ class RayCases:
 
         run_dir = d / "run"
         args = ["--run-dir", str(run_dir), *RAY_ARGS]
-        # options before the overrides: argparse takes the positional overrides in one run
         first = Background(self.head, ["--max-steps", "1000", *args, "checkpoint.every_steps=1"], d / "first.log")
         try:
             if not wait_for(lambda: logged_steps(run_dir) >= 3 or first.proc.poll() is not None):
