@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=str(REPO / "runs" / "train-cost"))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("overrides", nargs="*", help="dotted run-config overrides for every launch, e.g. train.lr=3e-4")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags and dotted overrides in any order
     if args.steps < 2:
         sys.exit(f"error: --steps must be at least 2 (the first step's start-up is split from the rest), got "
                  f"{args.steps}")
