@@ -15,6 +15,7 @@ neither is installed.
 
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
 from functools import partial
@@ -65,7 +66,9 @@ def quiet_deepspeed() -> None:
     its ZeRO all-gathers call torch's deprecated name (a FutureWarning on every step of every rank, nothing a user
     can act on); its learning-rate query before the scheduler's first step (a warning per rank); and the notice it
     print()s on every comm-backend start, cached op or not (per rank, per restart, at shutdown)."""
-    import deepspeed.comm.torch as ds_comm
+    # import_module, not `import deepspeed.comm.torch as ...`: that name resolves to the torch package, which
+    # deepspeed.comm imports as an attribute called `torch`
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
 
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
