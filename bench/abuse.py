@@ -1,10 +1,10 @@
-"""Abuse matrix (issue #21): bad config values, bad data files and hostile run-dir situations, each through the real
-launch script (launch/train_v4_draft.py, tiny random MoE target), each with the exit status it must give and the key
-or file its one line must name.
+"""Abuse matrix (issues #21, #47): bad config values and files, bad data files (compressed ones too), damaged target
+directories and hostile run-dir situations, each through the real launch script (launch/train_v4_draft.py, tiny
+random MoE target), each with the exit status it must give and the key or file its one line must name.
 
-    PYTHONPATH=. python bench/abuse.py --quick       # the 23 cases that end before Ray starts: 4-8 minutes
-    PYTHONPATH=. python bench/abuse.py               # + the Ray cases on a loopback head: about 15 minutes on 2 cores
-    PYTHONPATH=. python bench/abuse.py --only data   # one family: config, data or rundir (--case NAME: one case)
+    PYTHONPATH=. python bench/abuse.py --quick       # the 38 cases that end before Ray starts: 8-15 minutes
+    PYTHONPATH=. python bench/abuse.py               # + the Ray cases on a loopback head: 20-30 minutes on 2 cores
+    PYTHONPATH=. python bench/abuse.py --only data   # one family: config, data, target, rundir (--case NAME: one)
 
 One line per case (`name | exit E (want W) | clean yes/no | why`), then, last:
 abuse cases=N clean=C exit2=E tracebacks=T retried=R orphan_commits=O
@@ -76,7 +76,7 @@ class Outcome:
 
 @dataclass
 class Case:
-    family: str  # config | data | rundir
+    family: str  # config | data | target | rundir
     name: str
     want_exit: int
     needle: str  # what the one line must contain (the key or the file); {run_dir} and {work} are filled in
@@ -207,6 +207,27 @@ CONFIG = [
 ]
 
 
+def config_file_case(name: str, text: bytes) -> Case:
+    """A config file the user wrote, broken as YAML: one line naming the file."""
+    def run(d: Path) -> Outcome:
+        (d / "run.yaml").write_bytes(text)
+        o = quick_launch(["--run-dir", str(d / "run"), "--config", str(d / "run.yaml"), *TINY_MOE])
+        if (d / "run").exists():
+            o.why.append("the run dir was made")
+        return o
+
+    return Case("config", name, 2, "{work}/run.yaml", run)
+
+
+CONFIG += [
+    config_file_case("config file: unclosed list", b"train:\n  lr: [1,\n"),
+    config_file_case("config file: a tab", b"train:\n\tlr: 1\n"),
+    config_file_case("config file: a section twice", b"train:\n  lr: 1\ntrain:\n  max_steps: 2\n"),
+    config_file_case("config file: two documents", b"train: {}\n---\ndata: {}\n"),
+    config_file_case("config file: not UTF-8", b"train: {} # caf\xe9\n"),
+]
+
+
 def _jsonl(path: Path, *lines: str | bytes) -> Path:
     path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
     return path
@@ -244,9 +265,62 @@ DATA = [
     data_case("missing file", lambda d: d / "nowhere.jsonl"),
     data_case("empty file", lambda d: _jsonl(d / "empty.jsonl")),
 ]
+
+
+def _zst(path: Path, *lines: str, cut: int | None = None) -> Path:
+    import zstandard
+
+    path.write_bytes(zstandard.ZstdCompressor().compress("".join(x + "\n" for x in lines).encode())[:cut])
+    return path
+
+
+DATA += [
+    data_case("truncated .jsonl.zst", lambda d: _zst(d / "cut.jsonl.zst", *[GOOD] * 50, cut=40)),
+    data_case(".jsonl.gz that is not gzip", lambda d: _jsonl(d / "plain.jsonl.gz", GOOD)),
+    data_case("bad line in a .jsonl.zst", lambda d: _zst(d / "broken.jsonl.zst", GOOD, '{"text": "unfinished')),
+]
 DATA_FILES = {"invalid JSON line": "broken.jsonl", "plain text": "notes.txt", "not UTF-8": "latin1.jsonl",
               "Parquet with wrong columns": "other.parquet", "Parquet input_ids not a list": "flat.parquet",
-              "missing file": "nowhere.jsonl", "empty file": "empty.jsonl"}
+              "missing file": "nowhere.jsonl", "empty file": "empty.jsonl", "truncated .jsonl.zst": "cut.jsonl.zst",
+              ".jsonl.gz that is not gzip": "plain.jsonl.gz", "bad line in a .jsonl.zst": "broken.jsonl.zst"}
+
+
+# a damaged target directory: a copy of the tiny MoE target with one file broken
+
+def target_case(name: str, file: str, damage: Callable[[Path], None]) -> Case:
+    def run(d: Path) -> Outcome:
+        from workers.frozen_target.model import resolve_target_path
+
+        shutil.copytree(resolve_target_path("tiny-qwen3-moe"), d / "target")
+        damage(d / "target")
+        o = quick_launch(["--run-dir", str(d / "run"), *TINY_MOE, f"target.path={d / 'target'}"])
+        if (d / "run").exists():
+            o.why.append("the run dir was left behind")
+        return o
+
+    return Case("target", name, 2, "{work}/target" + (f"/{file}" if file else ""), run)
+
+
+def _cut(name: str, keep: int) -> Callable[[Path], None]:
+    return lambda t: (t / name).write_bytes((t / name).read_bytes()[:keep])
+
+
+def _config_json(**changes) -> Callable[[Path], None]:
+    def damage(t: Path) -> None:
+        (t / "config.json").write_text(json.dumps({**json.loads((t / "config.json").read_text()), **changes}))
+    return damage
+
+
+TARGET = [
+    target_case("config.json cut short", "config.json", _cut("config.json", 40)),
+    target_case("config.json of an unknown model_type", "config.json", _config_json(model_type="nope")),
+    target_case("more layers in config.json than weights", "", _config_json(num_hidden_layers=5)),
+    target_case("other attention heads than the weights", "model.safetensors", _config_json(num_attention_heads=8)),
+    target_case("weights cut short", "model.safetensors", _cut("model.safetensors", 5000)),
+    target_case("tokenizer.json cut short", "tokenizer.json", _cut("tokenizer.json", 100)),
+    target_case("chat template that does not compile", "chat_template.jinja",
+                lambda t: (t / "chat_template.jinja").write_text("{% for m in %}")),
+]
 
 
 # hostile run dirs without Ray
@@ -383,7 +457,6 @@ class RayCases:
 
         run_dir = d / "run"
         args = ["--run-dir", str(run_dir), *RAY_ARGS]
-        # options before the overrides: argparse takes the positional overrides in one run
         first = Background(self.head, ["--max-steps", "1000", *args, "checkpoint.every_steps=1"], d / "first.log")
         try:
             if not wait_for(lambda: logged_steps(run_dir) >= 3 or first.proc.poll() is not None):
@@ -512,7 +585,7 @@ def ray_cases(rc: RayCases) -> list[Case]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=["config", "data", "rundir"], help="one family of cases")
+    p.add_argument("--only", choices=["config", "data", "target", "rundir"], help="one family of cases")
     p.add_argument("--quick", action="store_true", help="leave out the Ray-launching cases")
     p.add_argument("--case", help="only the cases whose name contains this")
     p.add_argument("--work-dir", default="runs/bench-abuse", help="each case's files go here (replaced)")
@@ -525,7 +598,7 @@ def main() -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     rc = RayCases()
-    cases = CONFIG + DATA + RUNDIR_QUICK + ([] if a.quick else ray_cases(rc))
+    cases = CONFIG + DATA + TARGET + RUNDIR_QUICK + ([] if a.quick else ray_cases(rc))
     cases = [c for c in cases if a.only in (None, c.family) and (a.case or "") in c.name]
 
     n = clean = exit2 = tracebacks = retried = orphans = 0

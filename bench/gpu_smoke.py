@@ -3,6 +3,7 @@ loss, target capture and checkpoint, checked one line each (`check NAME ok|FAIL|
 
 Run on a CPU (tiny shapes; gloo instead of NCCL; the CUDA-only parts say `skip`; tests/test_gpu_smoke.py runs this):
     python bench/gpu_smoke.py --cpu
+Without --cpu and without a usable CUDA device it prints one `error:` line and exits 2 (never runs the CPU mode).
 Run on a lent H100 / H200 (the device tool's `run`; docs/gpu-smoke.md), after `bash bench/gpu_smoke_prepare.sh` here
 put the wheels that machine lacks into .whl/ (deepspeed 0.19.8 as its sdist, hjson, pydantic, transformers 5.24, ...),
 one command (docs/gpu-smoke.md has it on one line):
@@ -59,8 +60,9 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the project's packages, when run by path from anywhere
+for _path in (REPO, REPO / "bench"):  # the project's packages and bench/flops.py, when run by path from anywhere
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 GIB = 1024**3
 ATTN_KERNEL = re.compile(r"attn|flash|fmha|flex|cudnn|sdpa|attention", re.IGNORECASE)
@@ -134,6 +136,18 @@ class Report:
 def one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def cuda_unusable() -> str:
+    """Why this process cannot run CUDA work, or "" when it can (a device is seen and takes a tensor)."""
+    if not torch.cuda.is_available():
+        return (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else
+                f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
+    try:
+        torch.ones(1, device="cuda").add_(1).cpu()
+    except Exception as e:  # a driver/runtime mismatch, a device in an error state, ...
+        return one_line(e)
+    return ""
 
 
 def free_port() -> int:
@@ -325,11 +339,21 @@ def optimizer_name(engine: Any) -> str:
     return f"{type(opt).__name__}({'fused' if fused else 'not fused'})"
 
 
-def jit_extensions() -> set[str]:
-    """The C++/CUDA extensions compiled at run time so far (torch.utils.cpp_extension's build folder, where DeepSpeed
-    JIT-builds its ops): the step should need none."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return {p.name for p in root.glob("*/*") if p.is_dir()} if root.is_dir() else set()
+def jit_extensions() -> dict[str, int]:
+    """The C++/CUDA extensions compiled at run time for this Python and torch build (torch.utils.cpp_extension's
+    build folder, e.g. ~/.cache/torch_extensions/py312_cu130/, where DeepSpeed JIT-builds its ops), as
+    "py312_cu130/fused_adam" -> the newest mtime of its built libraries. The step should need none: compare two
+    calls, and a library built again (for this interpreter, under a name another Python's build already used) shows
+    as a changed mtime."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    root = Path(_get_build_directory("", verbose=False))  # the folder torch would build into now
+    built = {}
+    for ext in (p for p in root.iterdir() if p.is_dir()):
+        mtimes = [lib.stat().st_mtime_ns for lib in ext.glob("*.so")]
+        if mtimes:
+            built[f"{root.name}/{ext.name}"] = max(mtimes)
+    return built
 
 
 def attention_kernels(trainer: Trainer) -> tuple[list[str], list[str]]:
@@ -472,12 +496,11 @@ def resume_check(shape: Shape, device: torch.device, engine_kind: str) -> tuple[
 
 
 def step_flops(trainer: Trainer) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
+    from flops import count_flops  # bench/flops.py: the MoE's grouped GEMMs counted too
 
-    with FlopCounterMode(display=False) as fc:
-        trainer.step()
+    flops = count_flops(trainer.step)
     sync(trainer.device)
-    return int(fc.get_total_flops())
+    return flops
 
 
 # ---- e) target capture ------------------------------------------------------------------------------------------
@@ -560,8 +583,8 @@ def capture_check(kind: str, device: torch.device) -> tuple[str, str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu", action="store_true", help="tiny shapes, gloo, CUDA-only parts skipped (automatic "
-                   "where CUDA is absent)")
+    p.add_argument("--cpu", action="store_true", help="tiny shapes, gloo, CUDA-only parts skipped (without it and "
+                   "without a usable CUDA device: one error line, exit 2)")
     p.add_argument("--out", help="also write the check lines to OUT/gpu_smoke.txt")
     p.add_argument("--engine", choices=("auto", "deepspeed", "torch"), default="auto")
     p.add_argument("--budget-s", type=float, default=420.0, help="checks that would start past it say skip")
@@ -573,7 +596,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = not args.cpu
+    if cuda and (why := cuda_unusable()):  # a GPU run that silently ran the CPU mode would report a success
+        print(f"error: no usable CUDA device: {why}; `python bench/gpu_smoke.py --cpu` runs the CPU rehearsal",
+              file=sys.stderr)
+        return 2
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -612,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             what += f" attn_ops={','.join(ops) or 'none'}"
             if cuda:
                 what += f" attn_kernels={','.join(kernels) or 'none'}"
-            built = sorted(jit_extensions() - extensions_before)
+            built = sorted(k for k, mtime in jit_extensions().items() if extensions_before.get(k) != mtime)
             what += f" optimizer={optimizer_name(trainer.engine)} jit_built={','.join(built) or 'none'}"
             return ("ok" if torch.isfinite(torch.tensor(loss)) else "FAIL"), what
 

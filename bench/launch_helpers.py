@@ -58,6 +58,38 @@ def console_errors(output: str) -> list[str]:
     return [line for line in output.splitlines() if _ERROR_LINE.search(line)]
 
 
+# Third-party messages known to be harmless in a run, each silenced by its text where it arises (workers/__init__.py,
+# workers/driver.connect_ray, workers/trainer/engines.quiet_deepspeed): a console showing one is a regression.
+SILENCED = (
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "Attempting to get learning rate from scheduler before it has started",
+    "Token authentication is enabled for this Ray cluster.",
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+)
+_STEP_LINE = re.compile(r"\bstep \d+/\d+ \| loss ")
+_WORKER_TAG = re.compile(r"^\((?:\w+) pid=\d+(?:, ip=[\d.]+)?\)\s*")
+
+
+def console_lines(output: str) -> tuple[list[str], list[str]]:
+    """(step lines, other lines) of a run's console as a person reads it: colours dropped, a progress bar's redraws
+    (carriage returns) each a line, blank lines and Ray's '[repeated Nx across cluster]' notes left out."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", output)
+    lines = [re.sub(r"\s*\[repeated \d+x across cluster\].*$", "", ln).rstrip()
+             for ln in re.split(r"[\r\n]", text)]
+    lines = [ln for ln in lines if _WORKER_TAG.sub("", ln).strip()]
+    steps = [ln for ln in lines if _STEP_LINE.search(ln)]
+    return steps, [ln for ln in lines if not _STEP_LINE.search(ln)]
+
+
+def repeated_lines(lines: list[str]) -> dict[str, int]:
+    """The lines printed more than once, by their text after any '(Worker pid=N)' tag."""
+    from collections import Counter
+
+    counts = Counter(_WORKER_TAG.sub("", ln) for ln in lines)
+    return {ln: n for ln, n in counts.items() if n > 1}
+
+
 # The ray CLI of the interpreter running this file: `ray` from PATH may be another install's, or missing when a
 # venv's python is run without activating the venv (`venv/bin/python bench/faults.py`).
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]

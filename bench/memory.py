@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESET_GPU), action="append")
     ap.add_argument("--gpu-gib", type=float, help="GPU memory to size for (default: the preset's GPU, PRESET_GPU)")
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every preset (key=value)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags and dotted overrides in any order
     lines = []
     for preset in args.preset or sorted(PRESET_GPU):
         cfg = load_config(ROOT / "launch" / "configs" / f"{preset}.yaml", args.overrides)

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # flags and dotted overrides in any order
     log = get_logger("bench.pipeline_overlap")
     base = [f"cluster.num_trainers={args.trainers}", f"train.max_steps={args.warmup + args.steps}",
             "checkpoint.export=false", "train.tensorboard=false", f"checkpoint.every_steps={10 ** 6}",

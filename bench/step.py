@@ -128,11 +128,9 @@ def child(args: argparse.Namespace) -> None:
     first_loss = step()  # warm-up: allocator, thread pools; also the value compared across variants
     flops = 0
     if args.count_flops:
-        from torch.utils.flop_counter import FlopCounterMode
+        from flops import count_flops  # bench/flops.py: the grouped GEMMs of an MoE draft counted too
 
-        with FlopCounterMode(display=False) as fc:
-            step()
-        flops = fc.get_total_flops()
+        flops = count_flops(step)
     info = {"first_loss": first_loss, "flops": flops, "blocks": batch.num_blocks}
     if args.serve:  # timing: one line in ("N": time N steps), one line out (seconds per step), until stdin closes
         print(json.dumps(info), flush=True)

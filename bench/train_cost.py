@@ -118,10 +118,8 @@ class Sampler(threading.Thread):
 
 
 def launch(mode: str, run_dir: Path, steps: int, overrides: list[str]) -> dict:
-    flags = [a for a in MODES[mode] if a.startswith("--")]  # options before the dotted overrides (argparse)
-    cmd = [sys.executable, str(LAUNCH), "--run-dir", str(run_dir), "--max-steps", str(steps), "--fresh", *flags,
-           "train.log_every=1000", "checkpoint.every_steps=1000", *(a for a in MODES[mode] if a not in flags),
-           *overrides]
+    cmd = [sys.executable, str(LAUNCH), "--run-dir", str(run_dir), "--max-steps", str(steps), "--fresh", *MODES[mode],
+           "train.log_every=1000", "checkpoint.every_steps=1000", *overrides]  # flags and overrides in any order
     busy0, t0 = machine_busy_s(), time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
@@ -184,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=str(REPO / "runs" / "train-cost"))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("overrides", nargs="*", help="dotted run-config overrides for every launch, e.g. train.lr=3e-4")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags and dotted overrides in any order
     if args.steps < 2:
         sys.exit(f"error: --steps must be at least 2 (the first step's start-up is split from the rest), got "
                  f"{args.steps}")

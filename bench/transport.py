@@ -25,7 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # flags and dotted overrides in any order
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, str(REPO / "launch" / "train_v4_draft.py"), "--run-dir", str(run_dir),

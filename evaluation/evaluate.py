@@ -21,6 +21,7 @@ from torch import nn
 
 from draft_model.sampling import ACCEPTED, NOT_REACHED
 from evaluation.drafters import Drafter
+from evaluation.progress import EvalProgress
 from evaluation.session import RoundLog, generate, sync
 from pipeline.data.chat import render_prompt
 from serving.metrics import expected_calibration_error, roc_auc
@@ -95,12 +96,15 @@ def evaluate(target: nn.Module, tokenizer, drafter: Drafter, prompts: dict[str, 
 
 def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts: dict[str, list],
                   temperature: float, max_new_tokens: int, seed: int = 0,
-                  eos_token_ids: Iterable[int] | None = None, deadline_s: float | None = None) -> list[dict]:
+                  eos_token_ids: Iterable[int] | None = None, deadline_s: float | None = None,
+                  progress: EvalProgress | None = None) -> list[dict]:
     """`evaluate` for several drafters on the same prompts, one result per drafter.
 
     Prompt i of every dataset runs for every drafter before prompt i + 1 of any, each with the same seed, so a
     time limit (`deadline_s`, a time.monotonic() value: no prompt index is started after it) leaves every drafter
     with the same prompts, as many from each dataset. Each result's num_prompts says how many ran.
+
+    `progress` (evaluation/progress.py) is told after every decoded prompt.
 
     A result is a JSON-able dict except for "rounds": dataset -> RoundLog (per-round records; written to
     rounds.parquet by evaluation.rounds.write_rounds, left out of the report and of cached results).
@@ -130,9 +134,14 @@ def evaluate_many(target: nn.Module, tokenizer, drafters: list[Drafter], prompts
                 g = torch.Generator(device=device).manual_seed(prompt_seed)
                 sync(device)
                 t0 = time.perf_counter()
+                before = len(st["rounds"].num_accepted_R)
                 new, fwd = generate(target, drafter, ids, temperature, max_new_tokens, g, eos_ids, st["rounds"], i)
                 sync(device)
-                st["wall"] += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                st["wall"] += seconds
+                if progress is not None:
+                    accepted_R = st["rounds"].num_accepted_R[before:]
+                    progress.update(len(accepted_R), sum(accepted_R), len(new), seconds)
                 st["forwards"] += fwd
                 st["new"] += len(new)
                 st["gens"].append({"prompt_tokens": len(ids), "tokens": new})

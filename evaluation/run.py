@@ -29,11 +29,13 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
 
     from evaluation.drafters import AUTOREGRESSIVE, TargetOnly, load_drafter
     from evaluation.evaluate import evaluate_many
+    from evaluation.progress import EvalProgress
     from evaluation.prompts import resolve_prompt_sets
     from evaluation.report import write_report
     from evaluation.rounds import write_rounds
     from pipeline.atomic import write_text_atomic
     from workers.frozen_target.model import load_target, resolve_target_path
+    from workers.frozen_target.target_files import check_target_files
 
     check_exports(exports)
     bad = [t for t in temperatures if not t >= 0]
@@ -44,7 +46,9 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    target, tok = load_target(resolve_target_path(target_name), dtype=dtype)
+    target_path = resolve_target_path(target_name)
+    check_target_files(target_path)  # a damaged file is one line naming it, not a traceback in transformers
+    target, tok = load_target(target_path, dtype=dtype)
     target.to(device)
     drafters = {name: load_drafter(export, target, name) for name, export in exports.items()}
     if autoregressive:
@@ -64,8 +68,13 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
         fresh = {}
         if todo:
             t0 = time.time()
-            fresh = dict(zip(todo, evaluate_many(target, tok, [drafters[name] for name in todo], prompts,
-                                                 temperature, max_new_tokens, seed=0, deadline_s=deadline)))
+            progress = EvalProgress(f"eval T={temperature:g}", len(todo) * sum(map(len, prompts.values())), log)
+            try:
+                fresh = dict(zip(todo, evaluate_many(target, tok, [drafters[name] for name in todo], prompts,
+                                                     temperature, max_new_tokens, seed=0, deadline_s=deadline,
+                                                     progress=progress)))
+            finally:
+                progress.close()
             decoded_together = f"{time.time():.6f}"  # which results were decoded in turn (speedup_table pairs them)
             for res in fresh.values():
                 res["decode_batch"] = decoded_together
@@ -90,10 +99,14 @@ def evaluate_exports(exports: dict[str, Path], target_name: str, datasets: list[
 
 
 def check_exports(exports: dict[str, Path]) -> None:
+    """Every export's files, before the target loads: a missing or damaged one is a ValueError naming it."""
+    from pipeline.export import check_export
+
     for name, export in exports.items():
         if not (Path(export) / "config.json").is_file() or not (Path(export) / "model.safetensors").is_file():
             raise ValueError(f"draft {name!r}: {export} is not an exported draft (needs config.json and "
                              "model.safetensors)")
+        check_export(export)
 
 
 def _cache_valid(path: Path, drafter) -> bool:

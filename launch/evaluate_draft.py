@@ -10,6 +10,11 @@
 texts), each a dataset named by its file stem (given alone, only the files are evaluated). An export holding
 calibration.json (launch/calibrate_draft.py) is evaluated with calibrated confidences.
 
+Progress, per decoded prompt: prompts done of the total, τ so far, tokens/s and the time left (a bar on a terminal,
+plain log lines otherwise). The defaults (10 prompts from each of 3 sets, 64 new tokens, T = 1 and 0: 60 decodes)
+took about 6 minutes on an idle 2-core CPU with the tiny run's draft on SmolLM2; --num-prompts 3 (18 decodes) gives
+a first look in about 2 (docs/evaluation.md).
+
 Writes report.json, report.md and acceptance.png under --out (evaluation/report.py) and prints the τ table, and
 per (draft, temperature) NAME-T{T}.rounds.parquet, the recorded rounds (evaluation/rounds.py: per-round raw
 confidence logits, accepted count n, draft time), which serving/simulator.py replays.

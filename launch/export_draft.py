@@ -80,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
             if not args.target_gguf:
                 raise ValueError("--format gguf-dsv4 needs --target-gguf (the target's GGUF, for its tokenizer)")
             from serving.dsv4_gguf_export import write_export_gguf
+            from workers.frozen_target.target_files import check_target_files
+
+            check_target_files(Path(args.target_gguf))
 
             out = write_export_gguf(src, args.out, args.target_gguf, args.dtype)
             print(f"wrote {args.format} export to {out} ({out.stat().st_size / 2**20:.1f} MiB)")
             return 0
         from workers.frozen_target.model import resolve_target_path
+        from workers.frozen_target.target_files import check_target_files
 
         if args.format in FORMATS:  # refuse an unservable draft before the target is resolved (a first use converts it)
             check_servable(read_export(src)[0], args.format, args.drop_confidence)
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--draft-vocab applies to --format deepspec (draft_vocab_size + d2t, as llama.cpp's "
                              "converter reads them)")
         target_dir = resolve_target_path(target)
+        check_target_files(target_dir)
         facts = target_facts(target_dir, target)
         draft_vocab = None
         if args.draft_vocab is not None:

@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
-                   help=".jsonl/.json/.parquet files (concatenated in order) or one hub dataset name")
+                   help=".jsonl/.json/.parquet files (.jsonl.gz, .jsonl.zst too; concatenated in order) or one hub "
+                        "dataset name")
     p.add_argument("--split", default="train", help="split of a hub dataset (default: %(default)s)")
     p.add_argument("--target", default="smollm2",
                    help="'smollm2' (the bundled SmolLM2-135M-Instruct), a model directory or a .gguf file")
@@ -99,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_unfinished and not args.regenerate:
             raise ValueError("--keep-unfinished needs --regenerate (it keeps the target's own cut replies)")
         from workers.frozen_target.model import load_tokenizer, resolve_target_path
+        from workers.frozen_target.target_files import check_target_files
 
         target = resolve_target_path(args.target)
+        check_target_files(target)
         tokenizer = load_tokenizer(target)
         params = (GenParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed,
                             args.keep_unfinished)

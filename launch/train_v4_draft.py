@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (YAML, as saved with every checkpoint) and exit; starts nothing")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.num_samples=64")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # flags and overrides in any order: `train.lr=3e-4 --single-process`
 
 
 def build_config(args: argparse.Namespace):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -318,8 +319,40 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+        node[parts[-1]] = parse_yaml(text, f"override {item!r}") if text.strip() else ""
     return out
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so a second
+    `train:` section would drop the first without a word)."""
+
+
+def _unique_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, Hashable):  # an unhashable key is construct_mapping's own error
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The YAML value of `text`; ConfigError naming `where`, the problem and its line for any YAML error."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        said = [getattr(e, "context", None), getattr(e, "problem", None)]  # "expected a single document ..."
+        problem = " ".join(x for x in said if x) or str(e).strip().splitlines()[0]
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{where} is not valid YAML: {problem}{at}") from None
 
 
 def _deepcopy(d: Any) -> Any:
@@ -341,11 +374,21 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory, not a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text())
+        try:
+            text = p.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
+        loaded = parse_yaml(text, f"config file {p}")
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+            raise ConfigError(f"config file {p} must hold a mapping at the top level, not a "
+                              f"{type(loaded).__name__}")
         raw = loaded or {}
     return config_from_dict(apply_overrides(raw, overrides or []))
 

@@ -25,6 +25,23 @@ def get_logger(name: str, rank: int | None = None) -> logging.Logger:
     return logger
 
 
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def drop_log_message(logger_name: str, start: str) -> None:
+    """Drop the records of a third-party logger whose message starts with `start` (one known-harmless message,
+    matched by its text; every other record of that logger still prints). Once per process and message."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+        logger.addFilter(_DropMessage(start))
+
+
 class MetricsSink(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 

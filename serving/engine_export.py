@@ -302,11 +302,14 @@ def export_servable(export_dir: str | Path, run_dir: str | Path, target_dir: str
     except (FileNotFoundError, KeyError, ValueError) as e:
         log.info("engine export skipped: %s (launch/export_draft.py can write it later)", e)
         return written
+    refused: dict[str, list[str]] = {}  # why -> the formats refused for it: one line per reason, not per format
     for fmt in FORMATS:
         try:
             written[fmt] = write_engine_export(export_dir, fmt, Path(run_dir) / f"export-{fmt}", facts,
                                                say=log.info)
             log.info("exported the draft for serving engines (%s format) to %s", fmt, written[fmt])
         except NotServable as e:
-            log.info("no %s export: %s", fmt, str(e).split(": ", 1)[-1])
+            refused.setdefault(str(e).split(": ", 1)[-1], []).append(fmt)
+    for why, fmts in refused.items():
+        log.info("no %s export: %s", ", ".join(fmts), why)
     return written

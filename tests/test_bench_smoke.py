@@ -73,7 +73,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                            rf"a - b: expected tau [-+]{NUM} \+- {NUM} \(standard error over \d+ sequences\)", 600),
     # every --quick case ends before Ray starts with exit 2 and one line: all of them must be clean
     "abuse": (["--quick", "--work-dir", "{tmp}/work"],
-              r"abuse cases=(\d+) clean=\1 exit2=\1 tracebacks=0 retried=0 orphan_commits=0", 900),
+              r"abuse cases=(\d+) clean=\1 exit2=\1 tracebacks=0 retried=0 orphan_commits=0", 1500),
     "faults": (["--quick", "--out", "{tmp}/faults"],
                rf"faults samples_trained=\d+ duplicates=0 lost=0 max_loss_diff={SCI} slowdown={NUM}", 1200),
     "scheduling": (["--quick", "--work-dir", "{tmp}/work"],

@@ -461,3 +461,42 @@ def test_moe_target_with_real_tokenizer(kind):
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
         assert gens[0]["tokens"] == ref[0, ids.shape[1]:].tolist()[: len(gens[0]["tokens"])]
         assert gens[0]["text"] == tok.decode(gens[0]["tokens"])
+
+
+def test_progress_is_told_every_prompt_and_ends_at_the_result_s_tau(caplog):
+    import io
+    import logging
+
+    from evaluation.progress import EvalProgress
+
+    target = tiny_llama(seed=4)
+    drafter = make_drafter(_tiny_draft(target, "dspark-markov"), name="d")
+    prompts = {"a": [[2, 9, 4, 4], [17, 3, 8], [5, 5]], "b": [[1, 2, 3]]}
+    log = logging.getLogger("t.eval.progress")
+    progress = EvalProgress("eval T=1", 4, log, stream=io.StringIO())  # not a terminal: plain lines
+    with caplog.at_level(logging.INFO, logger="t.eval.progress"):
+        res = evaluate_many(target, None, [drafter], prompts, 1.0, 12, seed=3, eos_token_ids=NO_EOS,
+                            progress=progress)[0]
+    lines = [r.message for r in caplog.records]
+    assert [ln.split(" prompts")[0] for ln in lines] == [f"eval T=1: {i}/4" for i in (1, 2, 3, 4)]
+    assert lines[-1].endswith("| 0s left") and " tok/s | " in lines[-1]
+    rounds = sum(m["rounds"] for m in res["datasets"].values())
+    tau = sum(m["tau"] * m["rounds"] for m in res["datasets"].values()) / rounds  # over all rounds of all sets
+    assert progress.rounds == rounds and progress.tokens == 4 * 12
+    assert progress.tau == pytest.approx(tau) and f"tau {tau:.3f}" in lines[-1]
+
+
+def test_progress_line_says_the_time_left_from_the_pace_so_far():
+    import io
+
+    import evaluation.progress as ep
+
+    clock = iter([100.0, 130.0])  # made at 100 s; the first of 4 prompts done at 130 s: 3 more take 90 s
+    real = ep.time.monotonic
+    ep.time.monotonic = lambda: next(clock)
+    try:
+        progress = ep.EvalProgress("eval T=0", 4, None, stream=io.StringIO())
+        line = progress.update(rounds=10, accepted=5, tokens=20, seconds=4.0)
+    finally:
+        ep.time.monotonic = real
+    assert line == "eval T=0: 1/4 prompts | tau 1.500 | 5.0 tok/s | 1m30s left"

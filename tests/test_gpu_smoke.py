@@ -26,10 +26,17 @@ NO_RAY = ("import runpy, sys; sys.modules['ray'] = None; sys.argv = ['gpu_smoke.
           "runpy.run_path('bench/gpu_smoke.py', run_name='__main__')")
 
 
+def env_with_repo_path() -> dict[str, str]:
+    """The caller's environment with the repository put first on PYTHONPATH, the rest kept: on the lent machine
+    DeepSpeed and transformers come in through PYTHONPATH (docs/gpu-smoke.md)."""
+    kept = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *([kept] if kept else [])])}
+
+
 def run_smoke(tmp_path: Path, engine: str) -> tuple[list[str], str]:
     proc = subprocess.run([sys.executable, "-c", NO_RAY, "--cpu", "--engine", engine, "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=env_with_repo_path())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("check ", "gpu_smoke ", "note "))]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lines, proc.stdout
@@ -109,3 +116,78 @@ def test_the_device_command_is_the_same_in_script_and_docs_and_fits_the_run_tool
     inner = int(re.search(r"timeout (\d+) python3 bench/gpu_smoke\.py", doc_cmd).group(1))
     assert inner <= int(doc_limit) - 60
     assert gpu_smoke.parser().parse_args([]).budget_s + 60 <= inner  # a check that starts at the budget has a minute
+
+
+def test_the_child_keeps_the_caller_s_pythonpath(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/site", "/opt/x"]))
+    assert env_with_repo_path()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/tmp/site", "/opt/x"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert env_with_repo_path()["PYTHONPATH"] == str(REPO)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="here CUDA is usable: the smoke would run")
+def test_without_cpu_and_without_cuda_it_is_one_line_and_exit_2(capsys):
+    import gpu_smoke
+
+    assert gpu_smoke.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("error: no usable CUDA device: torch ") and "is built without CUDA" in err, err
+    assert "bench/gpu_smoke.py --cpu" in err
+
+
+def test_grouped_gemm_flops_equal_the_dense_expert_loop_s():
+    """With every expert chosen by every token (top_k = num_experts) the grouped GEMMs multiply exactly what the
+    dense loop multiplies, so the two counts must agree, forward and backward; before the formula the grouped path
+    counted 0 for its experts."""
+    import torch
+    from flops import count_flops, grouped_mm_flops
+
+    from draft_model.config import MoEConfig
+    from draft_model.moe import MoE, grouped_mm_supported
+
+    torch.manual_seed(0)
+    moe = MoE(32, MoEConfig(num_experts=4, top_k=4, num_shared_experts=0, expert_intermediate_size=16))
+    x_TD = torch.randn(24, 32, requires_grad=True)
+    assert grouped_mm_supported(x_TD, moe.w_gate_EDI, moe.w_up_EDI, moe.w_down_EID)
+
+    def fwd_bwd(dense: bool):
+        def run():
+            if dense:
+                expert_TA, weight_TA, _ = moe.route(x_TD)
+                y_TD = moe._dense_experts(x_TD, expert_TA, weight_TA)
+            else:
+                y_TD = moe(x_TD)[0]
+            y_TD.square().sum().backward()
+        return run
+
+    router = count_flops(lambda: moe.route(x_TD))  # both paths route first: 2 T D E
+    grouped, dense = count_flops(fwd_bwd(dense=False)), count_flops(fwd_bwd(dense=True))
+    # forward: 3 GEMMs of 2 T A D I; backward: twice that (input and weight gradients)
+    experts = 3 * 2 * 24 * 4 * 32 * 16 * 3
+    assert grouped == dense == experts + 3 * router, (grouped, dense, experts, router)
+    assert grouped_mm_flops((24, 32), (4, 32, 16), out_shape=(24, 16)) == 2 * 24 * 32 * 16
+    assert grouped_mm_flops((32, 24), (24, 16), out_shape=(4, 32, 16)) == 2 * 32 * 24 * 16
+    assert grouped_mm_flops((4, 8, 32), (4, 32, 16), out_shape=(4, 8, 16)) == 2 * 4 * 8 * 32 * 16
+
+
+def test_jit_built_names_the_extensions_built_for_this_python_and_torch(tmp_path, monkeypatch):
+    import gpu_smoke
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # torch builds right into it, no py/cu folder
+    (tmp_path / "ext" / "old_op").mkdir(parents=True)
+    (tmp_path / "ext" / "old_op" / "old_op.so").write_bytes(b"")
+    (tmp_path / "ext" / "not_built").mkdir()  # a build that failed: no library
+    before = gpu_smoke.jit_extensions()
+    assert list(before) == ["ext/old_op"]
+    (tmp_path / "ext" / "fused_adam").mkdir()
+    (tmp_path / "ext" / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    os.utime(tmp_path / "ext" / "old_op" / "old_op.so", ns=(0, before["ext/old_op"] + 10**9))  # rebuilt in place
+    after = gpu_smoke.jit_extensions()
+    assert sorted(k for k, m in after.items() if before.get(k) != m) == ["ext/fused_adam", "ext/old_op"]
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    # by default the folder names the Python and the torch build (py311_cpu here, py312_cu130 on the lent machine)
+    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    assert Path(_get_build_directory("", verbose=False)).name.startswith(python)

@@ -114,10 +114,31 @@ def test_the_default_run_s_console_is_clean(tmp_path):
     autoscaling coordinator are settled first: workers/run_control.prepare_ray_train). Run with no other Ray
     instance on the machine: Ray Train's placement-group cleaner looks the cluster up without an address and prints
     a traceback when it finds several."""
-    from launch_helpers import console_errors
+    from launch_helpers import SILENCED, console_errors, console_lines, repeated_lines
 
-    res = run_launch(["--run-dir", str(tmp_path / "run"), "--max-steps", "2"], timeout=1200)
+    env = {k: v for k, v in quiet_env().items() if k not in ("RAY_DEDUP_LOGS", "RAY_AUTH_MODE", "TQDM_DISABLE")}
+    res = run_launch(["--run-dir", str(tmp_path / "run"), "--max-steps", "2"], timeout=1200, env=env)  # a user's env
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert "step 2/2 | loss" in out
     assert not console_errors(out), console_errors(out)
+    # issue #47: the step lines and at most about 25 others, none repeated, none of the silenced third-party messages
+    steps, others = console_lines(out)
+    assert len(steps) == 2 and len(others) <= 25, (len(others), others)
+    assert not repeated_lines(others), repeated_lines(others)
+    assert not [ln for ln in others if any(m in ln for m in SILENCED)]
+
+
+def test_console_lines_are_counted_as_a_person_reads_them():
+    from launch_helpers import console_lines, repeated_lines
+
+    out = ("Loading weights:   0%|  | 0/2\rLoading weights: 100%|##| 2/2\n\n"
+           "\x1b[36m(RayTrainWorker pid=7)\x1b[0m 10:00:01 [rank 0] INFO dspark.trainer: step 1/2 | loss 2.1\n"
+           "(RayTrainWorker pid=7) warn once\x1b[32m [repeated 2x across cluster]\x1b[0m\n"
+           "(RayTrainWorker pid=8) warn once\n(RayTrainWorker pid=8) \n"
+           "10:00:02 [rank 0] INFO dspark.trainer: step 2/2 | loss 2.0 | lr 1e-3\n")
+    steps, others = console_lines(out)
+    assert [s.split("step ")[1][:3] for s in steps] == ["1/2", "2/2"]
+    assert others == ["Loading weights:   0%|  | 0/2", "Loading weights: 100%|##| 2/2",
+                      "(RayTrainWorker pid=7) warn once", "(RayTrainWorker pid=8) warn once"]
+    assert repeated_lines(others) == {"warn once": 2}

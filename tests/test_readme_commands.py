@@ -116,14 +116,16 @@ def parse_only(script: str, args: list[str]) -> argparse.Namespace:
     main() runs only up to its parse_args, which raises instead of returning."""
     path = REPO / script
     module = load_script(script)
-    real = argparse.ArgumentParser.parse_args
-
-    def stop_after(self, a=None, namespace=None):
-        raise _Parsed(real(self, a, namespace))
+    def stop_after(real):
+        def parse(self, a=None, namespace=None):
+            raise _Parsed(real(self, a, namespace))
+        return parse
 
     main = module.main
     takes_argv = bool(inspect.signature(main).parameters)
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop_after), \
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop_after(argparse.ArgumentParser.parse_args)), \
+            mock.patch.object(argparse.ArgumentParser, "parse_intermixed_args",
+                              stop_after(argparse.ArgumentParser.parse_intermixed_args)), \
             mock.patch.object(sys, "argv", [str(path), *args]):
         try:
             main(args) if takes_argv else main()

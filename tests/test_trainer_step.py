@@ -263,3 +263,39 @@ def test_compiled_draft_layers_match_eager():
         torch.testing.assert_close(l_comp, l_eager, atol=1e-5, rtol=1e-5)
         for a, b in zip(g_comp, g_eager):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_quiet_deepspeed_silences_only_its_known_messages(capsys):
+    """issue #47: DeepSpeed's known-harmless messages go, by their text; the rest of what it says still prints."""
+    import logging
+    import warnings
+
+    pytest.importorskip("deepspeed")
+    import importlib
+
+    from workers.trainer.engines import SHM_NOTICE, quiet_deepspeed
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+    assert ds_comm.__name__ == "deepspeed.comm.torch"  # the module that prints it, not the torch package
+    quiet_deepspeed()
+    ds_comm.print(SHM_NOTICE)
+    ds_comm.print("DeepSpeed another op built successfully")
+    assert capsys.readouterr().out == "DeepSpeed another op built successfully\n"
+    assert ds_comm.build_shm_op.__globals__["print"] is ds_comm.print  # what build_shm_op's print() calls
+    kept = []
+    handler = logging.Handler()
+    handler.emit = lambda record: kept.append(record.getMessage())
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Attempting to get learning rate from scheduler before it has started")
+        logger.warning("Attempting something else")
+    finally:
+        logger.removeHandler(handler)
+    assert kept == ["Attempting something else"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.filterwarnings("default")  # what a test runner sets is replaced: quiet_deepspeed's filter goes first
+        quiet_deepspeed()
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", FutureWarning, stacklevel=1)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", FutureWarning, stacklevel=1)
+    assert [str(w.message)[:40] for w in seen] == ["`torch.distributed.reduce_scatter_tensor"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipeline.config import RunConfig, save_config
 from pipeline.errors import InputError
+from pipeline.metrics import drop_log_message
 from pipeline.resume import check_resume, check_samples
 from workers.inputs import resolve_inputs, write_run_samples
 from workers.lease import Fence
@@ -86,6 +87,10 @@ def connect_ray(cfg) -> None:
     # every few seconds); it binds to loopback unless cluster.dashboard_host says otherwise. Everything else binds to
     # loopback too (workers/loopback.py).
     local_ray_on_loopback()
+    # Ray 2.60 turns token authentication on for a new local cluster and says so each time; this one listens on
+    # loopback only (workers/loopback.py). Its "disabled" warning, and every other line of that logger, stay.
+    drop_log_message("ray._private.authentication.authentication_token_setup",
+                     "Token authentication is enabled for this Ray cluster.")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=c.dashboard_host,
              runtime_env=runtime_env)
     replace_stale_cluster_file(ray.get_runtime_context().gcs_address)

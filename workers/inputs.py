@@ -13,6 +13,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.errors import InputError
 from workers.frozen_target.model import resolve_target_path
+from workers.frozen_target.target_files import check_target_files
 
 
 def precheck_target(cfg: RunConfig, target_path: Path) -> None:
@@ -70,6 +71,7 @@ def resolve_inputs(cfg: RunConfig, log: logging.Logger, in_memory: bool = True) 
         target_path = resolve_target_path(cfg.target.path)
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
+    check_target_files(target_path)  # every file of it, before a worker meets a damaged one
     precheck_target(cfg, target_path)
     from workers.frozen_target.model import load_tokenizer
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from pipeline.contracts import TokenizedSample
 from pipeline.data.chat import char_budget, render_chat
+from pipeline.data.compressed import open_data
 
 log = logging.getLogger(__name__)
 
@@ -144,15 +145,15 @@ def default_corpus(tokenizer, max_len: int = 512, num_samples: int = 256, seed: 
 
 
 def read_json_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """("line N", record) for each non-blank line of a JSON-lines file, read one line at a time; a file that is one
-    JSON array gives ("record N", record). ValueError naming the file and line for a line that is not UTF-8, not
-    JSON, or not a JSON object: the first problem stops the run (a half-read dataset would train on something else
+    """("line N", record) for each non-blank line of a JSON-lines file (gzip or zstd compressed too: x.jsonl.gz,
+    x.jsonl.zst), read one line at a time; a file that is one JSON array gives ("record N", record). ValueError
+    naming the file and line for a line that is not UTF-8, not JSON, or not a JSON object, or naming the file for a
+    damaged compressed stream: the first problem stops the run (a half-read dataset would train on something else
     than the user meant)."""
     path = Path(path)
     hint = "data.source must hold one JSON object per line, or be a .parquet file or a data-stage directory"
-    with open(path, "rb") as f:
-        head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
-        f.seek(0)
+    with open_data(path) as f:  # x.jsonl.gz and x.jsonl.zst: the JSON lines they hold
+        head = f.peek(64).lstrip(b"\xef\xbb\xbf \t\r\n")
         if head.startswith(b"["):  # one JSON array (datasets' json reader took these too): read whole
             try:
                 records = json.loads(f.read().decode("utf-8-sig"))

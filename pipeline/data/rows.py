@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.chat import BUDGET_SAFETY, max_token_chars, render_chat, render_prompt, render_text
+from pipeline.data.compressed import check_stream, data_suffix
 from pipeline.data.regenerate import Generation, GenParams, ReplyGenerator, batch_seed
 
 Progress = Callable[[int, int], None]  # (batches answered, batches in the shard)
@@ -96,8 +97,8 @@ class RowSpec:
 
 
 def open_prompts(inputs: list[str], split: str = "train"):
-    """A `datasets.Dataset` over local .jsonl/.json/.parquet files (concatenated in the given order) or one hub
-    dataset name."""
+    """A `datasets.Dataset` over local .jsonl/.json/.parquet files (.jsonl.gz and .jsonl.zst too; concatenated in the
+    given order) or one hub dataset name."""
     import datasets
 
     if not inputs:
@@ -109,11 +110,14 @@ def open_prompts(inputs: list[str], split: str = "train"):
     for p in paths:
         if not p.is_file():
             raise FileNotFoundError(f"input {p} does not exist (or is not a file)")
-        if p.suffix not in (".jsonl", ".json", ".parquet"):
-            raise ValueError(f"input {p}: unknown format {p.suffix!r}; use .jsonl, .json or .parquet")
+        suffix = data_suffix(p)  # x.jsonl.gz, x.jsonl.zst: JSON lines (datasets decompresses them by their suffix)
+        if suffix not in (".jsonl", ".json", ".parquet") or (suffix == ".parquet" and p.suffix != suffix):
+            raise ValueError(f"input {p}: unknown format {p.suffix!r}; use .jsonl, .json or .parquet (JSON "
+                             "compressed as .jsonl.gz or .jsonl.zst)")
         if p.stat().st_size == 0:  # datasets raises a bare StopIteration on an empty file
             raise ValueError(f"input {p} is empty")
-        kinds.add("parquet" if p.suffix == ".parquet" else "json")
+        check_stream(p)  # a damaged compressed file stops here, naming it, not inside datasets
+        kinds.add("parquet" if suffix == ".parquet" else "json")
     if len(kinds) > 1:
         raise ValueError("mix of JSON and Parquet inputs; convert them to one format first")
     return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train")

@@ -15,7 +15,9 @@ neither is installed.
 
 from __future__ import annotations
 
+import importlib
 import math
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +28,7 @@ from torch import nn
 
 from draft_model.batch import BlockBatch
 from pipeline.config import RunConfig
+from pipeline.metrics import drop_log_message
 from workers.trainer.checkpoint import CheckpointManager
 from workers.trainer.ledger import Ledger
 from workers.trainer.loop import resume, resume_ledger
@@ -55,6 +58,29 @@ def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict[str, 
     }
 
 
+SHM_NOTICE = "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"
+
+
+def quiet_deepspeed() -> None:
+    """Silence, by their text, DeepSpeed 0.19.8's known-harmless messages in a trainer, every other one left to print:
+    its ZeRO all-gathers call torch's deprecated name (a FutureWarning on every step of every rank, nothing a user
+    can act on); its learning-rate query before the scheduler's first step (a warning per rank); and the notice it
+    print()s on every comm-backend start, cached op or not (per rank, per restart, at shutdown)."""
+    # import_module, not `import deepspeed.comm.torch as ...`: that name resolves to the torch package, which
+    # deepspeed.comm imports as an attribute called `torch`
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+    drop_log_message("DeepSpeed", "Attempting to get learning rate from scheduler before it has started")
+
+    def print_but_the_notice(*args, **kwargs) -> None:  # the module's print: its only print() is that notice
+        if not (args and str(args[0]) == SHM_NOTICE):
+            print(*args, **kwargs)
+
+    ds_comm.print = print_but_the_notice
+
+
 def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig, load_universal: bool = False) -> Any:
     """`module` under DeepSpeed with the run's optimizer groups, ZeRO stage and schedule (torch.distributed must be
     initialised). Under ZeRO-3 the sequential head's W2 is read by DraftWithLoss.forward, outside any forward of
@@ -62,6 +88,7 @@ def deepspeed_engine(module: DraftWithLoss, cfg: RunConfig, load_universal: bool
     and, through the hooks on DraftWithLoss's output tensors, again for its backward."""
     import deepspeed
 
+    quiet_deepspeed()
     w2 = module.draft.head_w2()
     if cfg.train.zero_stage == 3 and w2 is not None:
         deepspeed.zero.register_external_parameter(module, w2)
