@@ -56,6 +56,17 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
                              f"largest node has {biggest:g}")
 
 
+def trainer_scaling_config(cfg: RunConfig):
+    """Ray Train's ScalingConfig of the trainer group: where each trainer rank goes (its CPUs, its GPU, the custom
+    resources that keep it on trainer nodes). The one place the trainers' placement is decided; the multi-node
+    placement test (tests/test_multinode_placement.py) runs the same one."""
+    from ray.train import ScalingConfig
+
+    c = cfg.cluster
+    return ScalingConfig(num_workers=c.num_trainers, use_gpu=c.use_gpu,
+                         resources_per_worker={"CPU": c.cpus_per_trainer, **c.resources_per_trainer})
+
+
 def worker_runtime_env(address: str = "") -> dict | None:
     """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
     ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared).
@@ -121,7 +132,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     import json
 
     import ray
-    from ray.train import FailureConfig, ScalingConfig
+    from ray.train import FailureConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
@@ -171,7 +182,6 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
              cfg.draft.sliding_window, cfg.draft.block_size, cfg.draft.head, cfg.train.max_steps,
              cfg.cluster.num_trainers, f"resuming from {resume_from}" if resume_from else "fresh start")
 
-    resources = {"CPU": cfg.cluster.cpus_per_trainer, **cfg.cluster.resources_per_trainer}
     prepare_ray_train()  # nothing at the trainer group's start that prints a failure on a healthy run
     trainer = TorchTrainer(
         train_loop,
@@ -179,8 +189,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
                            "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest,
                            "fence": fence},
         torch_config=trainer_torch_config(ray.nodes()),  # a local cluster's process group on loopback
-        scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
-                                     resources_per_worker=resources),
+        scaling_config=trainer_scaling_config(cfg),
         run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train",
                                 failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
     )
