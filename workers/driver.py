@@ -162,11 +162,18 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
 
     connect()
     check_cluster_fits(cfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-    control = RunControl.remote()
+    # the run's own actors stay on the driver's node (the head under `ray job submit`), as Ray Train pins its
+    # controller there: a worker node that dies takes its target replicas and trainers, never the service that
+    # re-creates them or the stop switch. Hard affinity: a soft one put these zero-CPU actors on a worker node when
+    # the head has no CPUs (the KubeRay head's num-cpus 0; measured on bench/sim_cluster.py)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    control = RunControl.options(scheduling_strategy=here).remote()
     # max_seq_len: the longest sequence a target forward holds, for its memory check (workers/frozen_target/sizing.py)
     target = {**cfg.target.__dict__, "resolved_path": str(target_path), "max_seq_len": cfg.data.max_len}
     cache = open_feature_cache(cfg, samples_digest, target_path, log)
-    service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(
+    service = FeatureService.options(max_restarts=-1, max_task_retries=-1, scheduling_strategy=here).remote(
         str(samples_path), target, list(cfg.draft.target_layers), cfg.data.samples_per_batch, cfg.data.seed,
         cfg.data.max_in_flight, cfg.data.replay_batches, cache)
     info = ray.get(service.target_info.remote())
