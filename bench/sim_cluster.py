@@ -83,6 +83,21 @@ class SimCluster:
             current.unlink(missing_ok=True)
 
 
+def launch_on(sim: SimCluster, run_dir: Path, log: Path, args: list[str]):
+    """`python launch/train_v4_draft.py --run-dir RUN_DIR ARGS` against the simulated cluster (RAY_ADDRESS), as a user
+    runs it on a head node, in the background; its output goes to `log`. PYTHONPATH names this checkout: an
+    editable install of another checkout would otherwise be what the driver and its workers import."""
+    import subprocess
+    import sys
+
+    from launch_helpers import LAUNCH, REPO, quiet_env
+
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, str(LAUNCH), "--run-dir", str(run_dir), *args], cwd=REPO,
+                                env=quiet_env(RAY_ADDRESS=sim.address, PYTHONPATH=str(REPO)), stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
 def manifest_nodes(manifest: dict[str, Any], replicas: dict[str, int] | None = None) -> list[tuple[str, dict]]:
     """(name, add() keyword arguments) for each pod of a KubeRay RayJob's worker groups, as Ray sees the pod: its
     container CPU limit as CPUs, its `nvidia.com/gpu` limit as GPUs, its rayStartParams `resources`; `replicas`

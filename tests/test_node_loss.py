@@ -1,56 +1,51 @@
-"""A whole worker node lost mid-run, on a simulated multi-node Ray cluster (bench/sim_cluster.py: a head with no CPUs,
-a trainer node, two target nodes, all on loopback), through the real launch script (real Ray Train + DeepSpeed ZeRO-2,
-2 trainers, two tiny random Qwen3-MoE target workers, one per target node).
+"""A whole worker node lost mid-run, on a simulated multi-node Ray cluster (bench/node_loss.rehearsal_cluster: a head
+with no CPUs, two trainer nodes and two target nodes, all on loopback), through the real launch script (real Ray Train
++ DeepSpeed ZeRO-2, 2 trainers, two tiny random Qwen3-MoE target workers), each node killed as a whole (its raylet and
+every process on it, SIGKILL, no drain):
 
-The node holding a target worker is killed as a whole (its raylet and every process on it, SIGKILL, no drain): the
-feature service notices the dead node, says so in one line, trains on with the worker left (steps are trained before
-any capacity comes back), re-issues what was in flight there, and re-creates the lost worker once a node with a
-`target_worker` slot joins; the run finishes with the losses of the same run without the loss, and the ledger shows
-every sample trained exactly once.
+- a target node: the feature service notices the dead node, says so in one line, trains on with the worker left
+  (steps are trained before any capacity comes back), re-issues what was in flight there, and re-creates the lost
+  worker once a node with a `target_worker` slot joins;
+- a trainer node (slow), with elastic trainers (cluster.min_trainers=1): Ray Train restarts the group on the trainer
+  left, which keeps the global batch (grad_accum 2), and grows it back to 2 when a trainer node joins.
 
-Run: python -m pytest tests/test_node_loss.py -q     (about 3 minutes on 2 cores: the cluster, an unfaulted run, the
-     faulted one)
+Each run finishes with the losses of the same run without a fault (1e-5) and a ledger that shows every sample
+trained exactly once.
+
+Run: python -m pytest tests/test_node_loss.py -q     (the target node: about 3 minutes on 2 cores, the cluster and an
+     unfaulted run included; -m slow adds the trainer node, about 3 minutes more)
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import LAUNCH, REPO, TINY_MOE, logged_steps, quiet_env
-from sim_cluster import SimCluster
+from launch_helpers import logged_steps
+from node_loss import ELASTIC, rehearsal_cluster, run_args
+from sim_cluster import SimCluster, launch_on
 
 from pipeline.metrics import read_jsonl_metrics
 from workers.trainer.ledger import audit_checkpoint
 
-STEPS = 40  # long enough for the lost worker to be re-created before the end
-ARGS = ["--max-steps", str(STEPS), *TINY_MOE, "checkpoint.every_steps=8", "train.lr=3e-3", "target.num_workers=2",
-        "target.resources_per_worker={target_worker: 1}", "cluster.resources_per_trainer={trainer: 1}",
-        "target.batch_timeout_s=300"]
+STEPS = 80  # long enough for a lost worker to be re-created, a trainer group to shrink and grow back
+ARGS = run_args(STEPS)  # the rehearsal's run (bench/node_loss.py): fp32 loss matmuls, each worker on a node
 
 
 @pytest.fixture(scope="module")
 def sim():
-    s = SimCluster(head_cpus=0)  # the driver's node runs no worker: only the driver and its zero-CPU actors
+    s = rehearsal_cluster()  # bench/node_loss.py's: a head with no CPUs, 2 trainer nodes, 2 target nodes
     try:
-        s.add("trainers", num_cpus=2, resources={"trainer": 2})
-        for name in ("target-0", "target-1"):
-            s.add(name, num_cpus=1, resources={"target_worker": 1})
         yield s
     finally:
         s.stop()
 
 
-def _launch(run_dir: Path, log: Path, sim: SimCluster) -> subprocess.Popen:
-    with open(log, "w") as out:
-        # PYTHONPATH: this checkout's code, also where an editable install of another checkout would win
-        return subprocess.Popen([sys.executable, str(LAUNCH), "--run-dir", str(run_dir), *ARGS], cwd=REPO,
-                                env=quiet_env(RAY_ADDRESS=sim.address, PYTHONPATH=str(REPO)), stdout=out,
-                                stderr=subprocess.STDOUT)
+def _launch(run_dir: Path, log: Path, sim: SimCluster, *extra: str) -> subprocess.Popen:
+    return launch_on(sim, run_dir, log, [*ARGS, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +93,11 @@ def test_a_lost_target_node_the_run_goes_on_and_trains_every_sample_once(sim, cl
     assert re.search(rf"target worker {worker} re-created \d+ s after its node was lost: 2 of 2 target worker\(s\) "
                      "serving", text), text[-4000:]
     # the batches re-issued are the batches lost (a batch is a function of its index): the unfaulted run's curve
+    _same_run(run_dir, clean)
+
+
+def _same_run(run_dir: Path, clean: dict[int, float]) -> None:
+    """Every step's loss that of the unfaulted run, every sample trained once (the ledger's audit)."""
     losses = {s: r["loss"] for s, r in read_jsonl_metrics(run_dir / "metrics.jsonl").items()}
     assert sorted(losses) == sorted(clean) == list(range(1, STEPS + 1))
     for s in losses:
@@ -105,3 +105,35 @@ def test_a_lost_target_node_the_run_goes_on_and_trains_every_sample_once(sim, cl
     audit = audit_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}")
     assert audit.exactly_once and audit.steps == STEPS and audit.batches == 2 * STEPS, audit.line()
     assert audit.samples_trained == 2 * STEPS * 4
+
+
+@pytest.mark.slow
+def test_a_lost_trainer_node_the_group_shrinks_at_once_and_grows_back(sim, clean, tmp_path):
+    """Elastic trainers (cluster.min_trainers=1): the node of one of the 2 trainers is killed; Ray Train restarts the
+    group at once on the trainer left (no waiting for a replacement), which resumes from the last checkpoint with
+    grad_accum 2 (the same global batch, the same batches per step), and grows back to 2 when a trainer node joins."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _launch(run_dir, log, sim, *ELASTIC)
+    try:
+        _wait("step 10", lambda: logged_steps(run_dir) >= 10, 600, proc, log)
+        sim.kill("trainers-1")
+        at_kill = logged_steps(run_dir)
+        shrunk = "elastic: training on 1 of 2 trainers (grad_accum 2, global batch 2 unchanged)"
+        detect_s = _wait("the shrunk group", lambda: shrunk in log.read_text(), 300, proc, log)
+        # the one-trainer group trains past the step of the kill before any capacity comes back
+        _wait("the one-trainer group's steps", lambda: shrunk in log.read_text() and logged_steps(run_dir) > at_kill,
+              300, proc, log)
+        sim.add("trainers-2", num_cpus=1, resources={"trainer": 1})
+        grown = "Deciding to resize the worker group from 1 -> 2 workers"  # Ray Train's line
+        _wait("the group grown back", lambda: grown in log.read_text(), 300, proc, log)
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert text.count(shrunk) == 1, text[-4000:]
+    # Ray Train's first restart asks for 2 trainers while the GCS has not yet declared the node dead, and waits its
+    # worker-group start timeout (60 s) before it shrinks (docs/fault-tolerance.md, "A node dies")
+    assert detect_s < 180, detect_s
+    # two trainers again: the run's last steps were trained by a group of 2
+    assert text.rfind("Started training worker group of size 2") > text.rfind(shrunk), text[-4000:]
+    _same_run(run_dir, clean)

@@ -63,7 +63,11 @@ def trainer_scaling_config(cfg: RunConfig):
     from ray.train import ScalingConfig
 
     c = cfg.cluster
-    return ScalingConfig(num_workers=c.num_trainers, use_gpu=c.use_gpu,
+    # elastic (cluster.min_trainers): Ray Train restarts a group that lost a trainer on the ones it can place now,
+    # and grows it back when more fit (it looks every cluster.elastic_resize_s)
+    elastic = 0 < c.min_trainers < c.num_trainers
+    return ScalingConfig(num_workers=(c.min_trainers, c.num_trainers) if elastic else c.num_trainers,
+                         use_gpu=c.use_gpu, elastic_resize_monitor_interval_s=c.elastic_resize_s,
                          resources_per_worker={"CPU": c.cpus_per_trainer, **c.resources_per_trainer})
 
 
