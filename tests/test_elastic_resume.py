@@ -3,8 +3,7 @@
 run; workers/trainer/reshard.py converts through DeepSpeed's universal checkpoint (ZeRO-1/2/3) or loads as is (ZeRO-0).
 
 Run: python -m pytest tests/test_elastic_resume.py -q     (ZeRO-2 with the MoE bias and the elastic group's grad_accum,
-     about 30 s on 2 cores; the other
-     stages, 3 ranks, bf16 and the launches: -m slow, ~15 min)
+     about 30 s on 2 cores; the other stages, 3 ranks, bf16 and the launches: -m slow, ~15 min)
 """
 
 from __future__ import annotations
