@@ -1,13 +1,13 @@
 """The production presets placed at the topology they name, on a simulated multi-node Ray cluster
-(bench/sim_cluster.py): one raylet per KubeRay pod of k8s/rayjob-v4.yaml's shape, each with that pod's logical GPUs, CPUs and custom
-resources (`target_worker`, `trainer`), a head with none. The launcher's own placement runs there: each vLLM
-replica's engine actor (and, with vLLM's "ray" executor, its placement group) from workers/frozen_target/
-vllm_worker.py's `engine_actor_options` / `engine_placement_group`, the trainers from workers/driver.
-trainer_scaling_config through a real Ray Train worker group. What would load a model is swapped for a probe that
-reports where it runs and which GPUs Ray gave it: no vLLM engine and no DeepSeek-V4 target run here (a CPU machine),
-so what is checked is the Ray placement, not the engines. Asserted from Ray's state API: every replica's ranks on one
-node (or on the two nodes the tp 16 variant spans), trainers on trainer nodes, no logical GPU given twice, every GPU
-given, nothing pending.
+(bench/sim_cluster.py): one raylet per KubeRay pod of k8s/rayjob-v4.yaml's shape, each with that pod's logical GPUs,
+CPUs and custom resources (`target_worker`, `trainer`), a head with none. The launcher's own placement runs there:
+each vLLM replica's engine actor (and, with vLLM's "ray" executor, its placement group) from
+workers/frozen_target/vllm_worker.py's `engine_actor_options` / `engine_placement_group`, the trainers from
+workers/driver.trainer_scaling_config through a real Ray Train worker group. What would load a model is swapped for
+a probe that reports where it runs and which GPUs Ray gave it: no vLLM engine and no DeepSeek-V4 target run here (a
+CPU machine), so what is checked is the Ray placement, not the engines. Asserted from Ray's state API: every
+replica's ranks on one node (or on the two nodes the tp 16 variant spans), trainers on trainer nodes, no logical GPU
+given twice, every GPU given, nothing pending.
 
 Run: python -m pytest tests/test_multinode_placement.py -q   (v4-flash: 3 worker nodes, ~2 min on 2 cores shared;
      -m slow adds v4-pro (6 nodes) and v4-pro at tp 16 over two nodes per replica (10 nodes), ~6 min more)
