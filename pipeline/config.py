@@ -158,11 +158,18 @@ class ClusterConfig:
     # limit); each restart resumes from the newest good checkpoint
     max_failures: int = 3
     dashboard_host: str = "127.0.0.1"  # a locally started cluster's dashboard binds here ("0.0.0.0" = every interface)
+    # elastic trainers (Ray Train's ScalingConfig(num_workers=(min_trainers, num_trainers))): after a trainer (or its
+    # node) is lost the group restarts at once on as many trainers as the cluster holds, at least this many, with
+    # the same global batch (grad_accum x num_trainers, workers/trainer/reshard.elastic_world), and grows back when
+    # capacity returns; 0 = a fixed group of num_trainers (a restart waits for all of them)
+    min_trainers: int = 0
+    elastic_resize_s: float = 60.0  # how often a smaller elastic group checks whether more trainers fit (Ray's default)
 
     RANGES: ClassVar[dict[str, Range]] = {
         "address": FREE, "num_trainers": at_least(1), "cpus_per_trainer": at_least(0),
         "resources_per_trainer": at_least(0), "local_num_cpus": at_least(0, note="0 = what the machine has"),
         "max_failures": at_least(0, **_NO_LIMIT), "dashboard_host": TEXT,
+        "min_trainers": at_least(0, note="0 = a fixed trainer group"), "elastic_resize_s": above(0),
     }
 
 
@@ -223,6 +230,16 @@ class RunConfig:
             (self.data.max_len > self.draft.block_size,
              f"data.max_len ({self.data.max_len}) must exceed draft.block_size ({self.draft.block_size}): a sequence "
              "needs an anchor and at least one token after it"),
+        ]
+        c, global_batch = self.cluster, self.train.grad_accum * self.cluster.num_trainers
+        sizes = range(c.min_trainers or c.num_trainers, c.num_trainers + 1)
+        checks += [
+            (c.min_trainers <= c.num_trainers,
+             f"cluster.min_trainers ({c.min_trainers}) must be at most cluster.num_trainers ({c.num_trainers})"),
+            (all(global_batch % r == 0 for r in sizes),
+             f"cluster.min_trainers={c.min_trainers}: every trainer count from it to cluster.num_trainers must divide "
+             f"the global batch (train.grad_accum x cluster.num_trainers = {global_batch}), since an elastic group "
+             f"keeps it; {[r for r in sizes if global_batch % r]} do not"),
         ]
         for ok, message in checks:
             if not ok:

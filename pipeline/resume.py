@@ -22,7 +22,8 @@ RESUMABLE_CHANGES = (
     "train.compile",  # the same numbers as eager (tests/test_trainer_step.py); speed only
     "checkpoint",  # cadence, retention, export; run_dir too: a moved run dir, the checkpoint is found inside it
     "cluster.address", "cluster.cpus_per_trainer", "cluster.use_gpu", "cluster.resources_per_trainer",
-    "cluster.local_num_cpus", "cluster.max_failures", "cluster.dashboard_host",
+    "cluster.local_num_cpus", "cluster.max_failures", "cluster.dashboard_host", "cluster.min_trainers",
+    "cluster.elastic_resize_s",
     "target.max_restarts", "target.batch_timeout_s",  # how failures are retried and waited for
     "target.num_workers", "target.cpus_per_worker", "target.gpus_per_worker", "target.resources_per_worker",
     "target.device_map", "target.max_tokens_per_forward",  # placement and forward chunking: same features

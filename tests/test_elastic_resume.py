@@ -2,8 +2,8 @@
 1 rank x grad_accum 2, that one resumes on 2 ranks again, and the losses of every step equal an uninterrupted 2-rank
 run; workers/trainer/reshard.py converts through DeepSpeed's universal checkpoint (ZeRO-1/2/3) or loads as is (ZeRO-0).
 
-Run: python -m pytest tests/test_elastic_resume.py -q     (ZeRO-2 with the MoE bias, about 30 s on 2 cores; the other
-     stages, 3 ranks, bf16 and the launches: -m slow, ~15 min)
+Run: python -m pytest tests/test_elastic_resume.py -q     (ZeRO-2 with the MoE bias and the elastic group's grad_accum,
+     about 30 s on 2 cores; the other stages, 3 ranks, bf16 and the launches: -m slow, ~15 min)
 """
 
 from __future__ import annotations
@@ -296,3 +296,24 @@ def test_library_code_unpickles_nothing_it_loads():
                     loads.append((f"{path.relative_to(repo)}:{node.lineno}", safe))
     assert len(loads) >= 5, loads  # the checker sees the loads there are
     assert [where for where, safe in loads if not safe] == []
+
+
+def test_an_elastic_group_keeps_the_launched_global_batch():
+    """cluster.min_trainers (issue #46): a trainer group Ray Train formed at another size sets grad_accum to the
+    launched global batch over its size, so each step trains the same feature batches; the config refuses a
+    min_trainers that allows a size not dividing the global batch."""
+    from pipeline.config import load_config
+    from workers.trainer.reshard import elastic_world
+
+    cfg = load_config(None, ["cluster.num_trainers=4", "train.grad_accum=3", "cluster.min_trainers=2"])  # 12: 2, 3, 4
+    two = elastic_world(cfg, 2)
+    assert (two.train.grad_accum, two.cluster.num_trainers) == (6, 2)
+    assert (cfg.train.grad_accum, cfg.cluster.num_trainers) == (3, 4)  # the launched config is left as it was
+    for step in (0, 5):
+        assert sorted(batch_index_for(step, m, r, 6, 2) for r in range(2) for m in range(6)) == \
+            sorted(batch_index_for(step, m, r, 3, 4) for r in range(4) for m in range(3)) == \
+            list(range(12 * step, 12 * step + 12))
+    with pytest.raises(ValueError, match=r"global batch \(train.grad_accum x cluster.num_trainers = 4\).*\[3\] do not"):
+        load_config(None, ["cluster.num_trainers=4", "train.grad_accum=1", "cluster.min_trainers=2"])
+    with pytest.raises(ValueError, match=r"cluster.min_trainers \(3\) must be at most cluster.num_trainers \(2\)"):
+        load_config(None, ["cluster.num_trainers=2", "cluster.min_trainers=3"])

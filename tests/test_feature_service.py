@@ -66,7 +66,8 @@ def test_prefetch_is_bounded_and_batches_are_deterministic(local_ray, tmp_path):
         # prefetch window restarts there
         again = ray.get(ray.get(svc.get.remote(3))[0])
         assert again.sample_ids == tuple(batch_sample_ids(3, 20, 3, 7))
-        assert ray.get(svc.stats.remote()) == {"reissued": 1, "low": 4, "from_cache": 0}
+        assert ray.get(svc.stats.remote()) == {"reissued": 1, "low": 4, "from_cache": 0, "nodes_lost": 0,
+                                                 "workers_down": 0}
         assert ray.get(ray.get(svc.get.remote(4))[0]).batch_index == 4
     finally:
         ray.get(svc.shutdown.remote())

@@ -57,6 +57,21 @@ def check_cluster_fits(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
                              f"largest node has {biggest:g}")
 
 
+def trainer_scaling_config(cfg: RunConfig):
+    """Ray Train's ScalingConfig of the trainer group: where each trainer rank goes (its CPUs, its GPU, the custom
+    resources that keep it on trainer nodes). The one place the trainers' placement is decided; the multi-node
+    placement test (tests/test_multinode_placement.py) runs the same one."""
+    from ray.train import ScalingConfig
+
+    c = cfg.cluster
+    # elastic (cluster.min_trainers): Ray Train restarts a group that lost a trainer on the ones it can place now,
+    # and grows it back when more fit (it looks every cluster.elastic_resize_s)
+    elastic = 0 < c.min_trainers < c.num_trainers
+    return ScalingConfig(num_workers=(c.min_trainers, c.num_trainers) if elastic else c.num_trainers,
+                         use_gpu=c.use_gpu, elastic_resize_monitor_interval_s=c.elastic_resize_s,
+                         resources_per_worker={"CPU": c.cpus_per_trainer, **c.resources_per_trainer})
+
+
 def worker_runtime_env(address: str = "") -> dict | None:
     """Ray workers must import this repo. Under `ray job submit --working-dir` the job's runtime env already
     ships it; a driver started by hand points the workers at its checkout (same filesystem: local or shared).
@@ -126,7 +141,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     import json
 
     import ray
-    from ray.train import FailureConfig, ScalingConfig
+    from ray.train import FailureConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
@@ -156,11 +171,18 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
 
     connect()
     check_cluster_fits(cfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-    control = RunControl.remote()
+    # the run's own actors stay on the driver's node (the head under `ray job submit`), as Ray Train pins its
+    # controller there: a worker node that dies takes its target replicas and trainers, never the service that
+    # re-creates them or the stop switch. Hard affinity: a soft one put these zero-CPU actors on a worker node when
+    # the head has no CPUs (the KubeRay head's num-cpus 0; measured on bench/sim_cluster.py)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    control = RunControl.options(scheduling_strategy=here).remote()
     # max_seq_len: the longest sequence a target forward holds, for its memory check (workers/frozen_target/sizing.py)
     target = {**cfg.target.__dict__, "resolved_path": str(target_path), "max_seq_len": cfg.data.max_len}
     cache = open_feature_cache(cfg, samples_digest, target_path, log)
-    service = FeatureService.options(max_restarts=-1, max_task_retries=-1).remote(
+    service = FeatureService.options(max_restarts=-1, max_task_retries=-1, scheduling_strategy=here).remote(
         str(samples_path), target, list(cfg.draft.target_layers), cfg.data.samples_per_batch, cfg.data.seed,
         cfg.data.max_in_flight, cfg.data.replay_batches, cache)
     info = ray.get(service.target_info.remote())
@@ -176,7 +198,6 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
              cfg.draft.sliding_window, cfg.draft.block_size, cfg.draft.head, cfg.train.max_steps,
              cfg.cluster.num_trainers, f"resuming from {resume_from}" if resume_from else "fresh start")
 
-    resources = {"CPU": cfg.cluster.cpus_per_trainer, **cfg.cluster.resources_per_trainer}
     prepare_ray_train()  # nothing at the trainer group's start that prints a failure on a healthy run
     trainer = TorchTrainer(
         train_loop,
@@ -184,8 +205,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
                            "weights_ref": weights_ref, "num_samples": num_samples, "samples_digest": samples_digest,
                            "fence": fence},
         torch_config=trainer_torch_config(ray.nodes()),  # a local cluster's process group on loopback
-        scaling_config=ScalingConfig(num_workers=cfg.cluster.num_trainers, use_gpu=cfg.cluster.use_gpu,
-                                     resources_per_worker=resources),
+        scaling_config=trainer_scaling_config(cfg),
         run_config=RayRunConfig(storage_path=str(run_dir / "ray_train"), name="train",
                                 failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
     )

@@ -36,6 +36,7 @@ from workers.trainer.loop import MicroBatch, all_gather, barrier, fit
 from workers.trainer.precision import describe as describe_dtype
 from workers.trainer.precision import frozen_dtype, loss_matmul_dtype
 from workers.trainer.prefetch import OneStepAhead
+from workers.trainer.reshard import elastic_world
 from workers.trainer.serving_export import export_for_engines
 from workers.trainer.step import DraftWithLoss, pack_micro_batch, prepare_draft
 
@@ -172,6 +173,12 @@ def _train(loop_config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = get_logger("dspark.trainer", rank)
     cfg = config_from_dict(loop_config["config"])
+    if world != cfg.cluster.num_trainers:  # an elastic group (cluster.min_trainers) on the trainers Ray could place
+        launched = cfg.cluster.num_trainers
+        cfg = elastic_world(cfg, world)
+        if rank == 0:
+            log.warning("elastic: training on %d of %d trainers (grad_accum %d, global batch %d unchanged)", world,
+                        launched, cfg.train.grad_accum, cfg.train.grad_accum * world)
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.use_gpu else torch.device("cpu")
 

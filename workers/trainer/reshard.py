@@ -63,6 +63,18 @@ def elastic_grad_accum(cfg: RunConfig, meta: dict[str, Any]) -> int:
     return global_batch // r_new
 
 
+def elastic_world(cfg: RunConfig, world: int) -> RunConfig:
+    """Trainer side: the config of a trainer group Ray Train formed with `world` ranks where the run asked for
+    cluster.num_trainers (elastic, cluster.min_trainers): the same global batch (grad_accum x num_trainers as
+    launched), grad_accum = global batch / world, so every step trains the same feature batches in the same order
+    (pipeline/order.py) whatever the group's size."""
+    global_batch = cfg.train.grad_accum * cfg.cluster.num_trainers
+    if global_batch % world:  # the config refuses a min_trainers that allows this
+        raise ValueError(f"a trainer group of {world} cannot keep the global batch of {global_batch} feature batches")
+    return replace(cfg, train=replace(cfg.train, grad_accum=global_batch // world),
+                   cluster=replace(cfg.cluster, num_trainers=world))
+
+
 def check_stage(cfg: RunConfig, meta: dict[str, Any]) -> None:
     """A world-size change needs a ZeRO stage that can reshard, both in the checkpoint and now."""
     r_old, _ = saved_world(meta)
