@@ -22,7 +22,7 @@ from launch_helpers import REPO, TINY_MOE, quiet_env
 
 BENCH = REPO / "bench"
 # modules the scripts share, not measurements: they have no figure line
-HELPERS = {"launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sweep_summary",
+HELPERS = {"flops", "launch_helpers", "llamacpp", "peak_rss", "prompt_sets", "sim_cluster", "sweep_summary",
            "vllm_side_dflash", "vllm_side_dspark",  # the vLLM environment's halves of serve_vllm
            "vllm_side_scheduler"}  # and of scheduler_vllm
 # benches this suite does not run, with the reason (the others run on the CPU with what CI installs, the SmolLM2
@@ -34,6 +34,8 @@ EXCLUDED: dict[str, str] = {
                   "case (-m vllm)",
     "scheduler_vllm": "needs the vLLM environment, which CI does not install: tests/test_scheduler_vllm.py runs it on "
                       "synthetic rounds (-m vllm)",
+    "node_loss": "a multi-node rehearsal of several minutes (five raylets, two killed): tests/test_node_loss.py "
+                 "runs its cases, the target-node loss in the default suite and the trainer-node loss as slow",
     "target_backends": "needs the vLLM environment, which CI does not install; its equality with transformers is "
                        "tests/test_vllm_target.py's (-m vllm)",
 }

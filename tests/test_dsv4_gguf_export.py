@@ -113,7 +113,7 @@ def test_cli_refusals_are_one_error_line(tmp_path, capsys, export_cli, export_ra
     export, _ = _smollm2_export(tmp_path, export_random_dsv4)
     args = [str(export), "--format", "gguf-dsv4", "--out", str(tmp_path / "d.gguf")]
     cases = [(args, "needs --target-gguf"),
-             ([*args, "--target-gguf", str(tmp_path / "none.gguf")], "none.gguf not found"),
+             ([*args, "--target-gguf", str(tmp_path / "none.gguf")], "none.gguf does not exist"),
              ([str(tmp_path / "nothing"), *args[1:], "--target-gguf", "x.gguf"], "neither an exported draft")]
     meta = json.loads((export / "config.json").read_text())
     meta["draft"]["arch"] = "dspark"
