@@ -70,6 +70,11 @@ class SimCluster:
         """The node's raylet and every process on it SIGKILLed at once (no graceful shutdown, no drain)."""
         self._cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
 
+    def kill_head(self) -> None:
+        """The head as a whole: its GCS, raylet and dashboard SIGKILLed; the worker nodes are left without it (their
+        raylets give up on the GCS after a minute, or at stop())."""
+        self._cluster.remove_node(self._cluster.head_node, allow_graceful=False)
+
     def stop(self) -> None:
         import ray
 

@@ -22,7 +22,9 @@ One driver per run dir: the run dir's lease (workers/lease.py) is taken first; a
 exits 2 naming the one that holds it.
 
 Exit status: 0 on success, 2 for a bad config or bad input (one clear line on stderr; a run dir that is a file, not
-writable or in use included), 1 for a failed run, 75 for a run stopped on request with its checkpoint saved.
+writable or in use included), 1 for a failed run, 75 for a run stopped on request with its checkpoint saved, 69 for
+a cluster whose live nodes could not hold the trainer group for cluster.trainer_wait_s (after a lost node): for
+these two, re-running the same command (a Job's or RayJob's retry) resumes from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def _run(args: argparse.Namespace, cfg: RunConfig, run_dir: Path, lease: Lease, 
     from pipeline.errors import InputError
     from workers.driver import TrainingFailed, connect_ray, run_training
     from workers.preemption import PREEMPTED_EXIT, StoppedEarly
+    from workers.trainer_capacity import UNAVAILABLE_EXIT, TrainersUnplaceable
 
     t0 = time.time()
     failure: tuple[int, str] | None = None
@@ -144,6 +147,8 @@ def _run(args: argparse.Namespace, cfg: RunConfig, run_dir: Path, lease: Lease, 
         failure = (PREEMPTED_EXIT, f"{e} ({run_dir})")
     except InputError as e:
         failure = (2, str(e))
+    except TrainersUnplaceable as e:  # the cluster lost the capacity for the trainer group; a retry resumes
+        failure = (UNAVAILABLE_EXIT, str(e))
     except TrainingFailed as e:  # reported once by the trainers (a disk full, a non-finite loss): their line as is
         failure = (1, f"training failed: {e}")
     except Exception as e:  # a failed run: one clear line, the details are in the worker logs above

@@ -164,12 +164,16 @@ class ClusterConfig:
     # capacity returns; 0 = a fixed group of num_trainers (a restart waits for all of them)
     min_trainers: int = 0
     elastic_resize_s: float = 60.0  # how often a smaller elastic group checks whether more trainers fit (Ray's default)
+    # how long the driver waits for a cluster whose live nodes cannot hold the trainer group (min_trainers, or all
+    # num_trainers) before it ends the run with status 69 for a retry to resume (workers/trainer_capacity.py)
+    trainer_wait_s: float = 600.0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "address": FREE, "num_trainers": at_least(1), "cpus_per_trainer": at_least(0),
         "resources_per_trainer": at_least(0), "local_num_cpus": at_least(0, note="0 = what the machine has"),
         "max_failures": at_least(0, **_NO_LIMIT), "dashboard_host": TEXT,
         "min_trainers": at_least(0, note="0 = a fixed trainer group"), "elastic_resize_s": above(0),
+        "trainer_wait_s": at_least(0, note="0 = wait without end"),
     }
 
 

@@ -137,3 +137,87 @@ def test_a_lost_trainer_node_the_group_shrinks_at_once_and_grows_back(sim, clean
     # two trainers again: the run's last steps were trained by a group of 2
     assert text.rfind("Started training worker group of size 2") > text.rfind(shrunk), text[-4000:]
     _same_run(run_dir, clean)
+
+
+@pytest.mark.slow
+def test_a_fixed_group_that_lost_its_node_ends_for_a_retry_and_the_resubmission_resumes(sim, clean, tmp_path):
+    """A fixed group of 2 trainers (cluster.min_trainers=0) loses a trainer node and no node comes back: the driver
+    says what it waits for, ends after cluster.trainer_wait_s with status 69 (what a Job's backoffLimit retries), and
+    the same command submitted again once a trainer node has joined resumes from the newest sealed checkpoint: the
+    run's losses and ledger are those of a run without the fault."""
+    from workers.trainer_capacity import UNAVAILABLE_EXIT
+
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    wait = ["cluster.trainer_wait_s=20"]
+    proc = _launch(run_dir, log, sim, *wait)
+    try:
+        _wait("step 10", lambda: logged_steps(run_dir) >= 10, 600, proc, log)
+        sim.kill(next(n for n in sim.nodes if n.startswith("trainers-")))
+        t0 = time.time()
+        assert proc.wait(timeout=300) == UNAVAILABLE_EXIT, log.read_text()[-4000:]
+        ended_s = time.time() - t0
+    finally:
+        proc.kill()
+    text = log.read_text()
+    said = (r"the cluster's live nodes hold 1 of the 2 trainer\(s\) the trainer group \(cluster.num_trainers\) needs "
+            r"\(\{CPU: 1, trainer: 1\} each\): waiting for a node with that capacity up to 20 s")
+    assert re.search(said, text), text[-4000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("error: the cluster's live nodes held 1 of the 2 trainer(s)") and \
+        "a resubmission of the same command resumes from the newest checkpoint" in last, text[-4000:]
+    assert 20 < ended_s < 120, ended_s  # the GCS's 3 s, the wait, the shutdown
+    sealed = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))[-1]
+
+    sim.add(f"trainers-{len(sim.nodes) + 10}", num_cpus=1, resources={"trainer": 1})
+    again = tmp_path / "again.log"
+    proc = _launch(run_dir, again, sim, *wait)
+    try:
+        assert proc.wait(timeout=600) == 0, again.read_text()[-4000:]
+    finally:
+        proc.kill()
+    assert f"resuming from {run_dir / 'checkpoints' / sealed}" in again.read_text(), again.read_text()[-4000:]
+    _same_run(run_dir, clean)
+
+
+@pytest.mark.slow
+def test_a_lost_head_ends_the_run_in_one_line_and_a_new_cluster_resumes_it(clean, tmp_path):
+    """The head node dies as a whole (its GCS and raylet) under a driver that runs off it (a driver on the head dies
+    with it, as under `ray job submit`): the driver ends in one line with status 69 instead of Ray's minute of errors
+    and its exit 1, and the same command on a new cluster (what a RayJob's backoffLimit does) resumes from the newest
+    sealed checkpoint to the unfaulted run's losses and an exactly-once ledger. Its own cluster: the module's stays."""
+    from workers.trainer_capacity import UNAVAILABLE_EXIT
+
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    first = rehearsal_cluster()
+    try:
+        proc = _launch(run_dir, log, first)
+        try:
+            _wait("step 10", lambda: logged_steps(run_dir) >= 10, 600, proc, log)
+            first.kill_head()
+            t0 = time.time()
+            assert proc.wait(timeout=120) == UNAVAILABLE_EXIT, log.read_text()[-4000:]
+            ended_s = time.time() - t0
+        finally:
+            proc.kill()
+    finally:
+        first.stop()
+    text = log.read_text()
+    assert re.search(r"\nerror: lost the Ray head: its GCS at 127\.0\.0\.1:\d+ has not answered for 1\d s; the run "
+                     r"cannot go on without it: a resubmission of the same command .* resumes from the newest "
+                     r"checkpoint\n",
+                     text), text[-4000:]
+    assert 15 < ended_s < 60, ended_s
+    sealed = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))[-1]
+
+    second = rehearsal_cluster()
+    try:
+        again = tmp_path / "again.log"
+        proc = _launch(run_dir, again, second)
+        try:
+            assert proc.wait(timeout=600) == 0, again.read_text()[-4000:]
+        finally:
+            proc.kill()
+    finally:
+        second.stop()
+    assert f"resuming from {run_dir / 'checkpoints' / sealed}" in again.read_text(), again.read_text()[-4000:]
+    _same_run(run_dir, clean)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,17 +118,14 @@ def replace_stale_cluster_file(address: str, path: str | os.PathLike | None = No
     local cluster when the head it names is gone. Ray Train's placement-group cleaner looks the cluster up without
     an address, through that file: a file left by a killed `ray start` makes it time out with a traceback on an
     otherwise healthy run. A file naming a live head (another user's cluster) is left alone. True when replaced."""
-    import socket
-
     from ray._private.utils import get_ray_address_file
+
+    from workers.node_loss import head_answers
 
     path = Path(path or get_ray_address_file(None))
     try:
-        host, port = path.read_text().strip().rsplit(":", 1)
-        with socket.socket() as s:
-            s.settimeout(1.0)
-            if s.connect_ex((host, int(port))) == 0:
-                return False  # a live head
+        if head_answers(path.read_text(), timeout=1.0):
+            return False  # a live head
     except (OSError, ValueError):
         return False  # no file, or not an address Ray would read either
     path.write_text(address)
@@ -211,7 +210,7 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
     )
     try:
         with stop_on_signal(lambda name: control.request_stop.remote(name)):
-            trainer.fit()
+            fit_watching_capacity(trainer, cfg, log)
         fatal, reason = ray.get([control.fatal_error.remote(), control.stop_reason.remote()])
         if fatal is not None:  # the retried trainer group returned at once (workers/trainer/ray_trainer.train_loop)
             raise TrainingFailed(fatal)
@@ -230,6 +229,61 @@ def run_training(cfg: RunConfig, resume_from: Path | None, connect: Callable[[],
         step = int(json.loads((latest / "meta.json").read_text())["step"]) if latest else 0
         if step < cfg.train.max_steps:  # else the request came during the last step: the run is complete
             raise StoppedEarly(step, cfg.train.max_steps)
+
+
+def fit_watching_capacity(trainer, cfg: RunConfig, log: logging.Logger, poll_s: float = 5.0) -> None:
+    """`trainer.fit()` in a thread of its own while this (main) thread watches whether the live nodes still hold the
+    trainer group (workers/trainer_capacity.py): TrainersUnplaceable after cluster.trainer_wait_s without; and whether
+    the head still answers: a driver off the head that outlives it ends with one line and UNAVAILABLE_EXIT after
+    HEAD_LOST_S (Ray itself would end it a minute later, exit 1, after a minute of its own errors). Off the
+    main thread Ray Train installs no SIGINT handler of its own, so Ctrl-C stays the checkpoint-then-stop of
+    stop_on_signal, as SIGTERM is."""
+    import threading
+
+    import ray
+
+    from workers.node_loss import HEAD_LOST_S, head_answers
+    from workers.trainer_capacity import UNAVAILABLE_EXIT, CapacityWatch, trainer_need, trainer_slots
+
+    c = cfg.cluster
+    need = trainer_need(c.use_gpu, c.cpus_per_trainer, c.resources_per_trainer)
+    elastic = 0 < c.min_trainers < c.num_trainers
+    watch = CapacityWatch(c.min_trainers if elastic else c.num_trainers, need, c.trainer_wait_s, log,
+                          "the elastic group's minimum (cluster.min_trainers)" if elastic
+                          else "the trainer group (cluster.num_trainers)")
+    outcome: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:  # handed to the main thread, raised there
+            outcome.append(e)
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)  # daemon: never holds the exit
+    thread.start()
+    gcs, unreachable_since = ray.get_runtime_context().gcs_address or "", None
+    if gcs.count(":") != 1:  # not a host:port this process can probe (not seen with ray.init): no head watch
+        gcs = ""
+    while True:
+        thread.join(poll_s)
+        if gcs and not head_answers(gcs):  # the head is gone (a driver off the head outlives it)
+            if not thread.is_alive():  # fit's error is the head's loss (Ray Train's controller lived there)
+                time.sleep(1.0)
+            now = time.monotonic()
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since >= HEAD_LOST_S:
+                # no unwinding: every call into Ray now blocks for a minute, then Ray ends this process (exit 1)
+                print(f"error: lost the Ray head: its GCS at {gcs} has not answered for {now - unreachable_since:.0f}"
+                      " s; the run cannot go on without it: a resubmission of the same command (a RayJob's or Job's "
+                      "backoffLimit) resumes from the newest checkpoint", file=sys.stderr, flush=True)
+                os._exit(UNAVAILABLE_EXIT)
+            continue
+        unreachable_since = None
+        if not thread.is_alive():
+            break
+        watch.poll(trainer_slots([n["Resources"] for n in ray.nodes() if n.get("Alive")], need), time.monotonic())
+    if outcome:
+        raise outcome[0]
 
 
 def root_cause(e: BaseException) -> str:

@@ -13,9 +13,12 @@ too, but answered by the GCS itself, so it works on a cluster without a dashboar
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import ray
+
+HEAD_LOST_S = 15.0  # the GCS unreachable this long: the driver gives the run up (workers/driver.fit_watching_capacity)
 
 
 def dead_nodes() -> set[str]:
@@ -36,3 +39,14 @@ def actor_node(handle: Any) -> str | None:
 def short(node_id: str) -> str:
     """A node id as Ray's own logs abbreviate it."""
     return node_id[:8]
+
+
+def head_answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether the GCS at `address` (host:port) accepts a connection now. Raises ValueError for a malformed one."""
+    host, port = address.strip().rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(timeout)
+        try:
+            return s.connect_ex((host, int(port))) == 0
+        except OSError:  # an unknown host, a timeout
+            return False
