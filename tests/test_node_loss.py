@@ -7,13 +7,17 @@ every process on it, SIGKILL, no drain):
   (steps are trained before any capacity comes back), re-issues what was in flight there, and re-creates the lost
   worker once a node with a `target_worker` slot joins;
 - a trainer node (slow), with elastic trainers (cluster.min_trainers=1): Ray Train restarts the group on the trainer
-  left, which keeps the global batch (grad_accum 2), and grows it back to 2 when a trainer node joins.
+  left, which keeps the global batch (grad_accum 2), and grows it back to 2 when a trainer node joins;
+- both at once (slow; bench/node_loss.py's rehearsal with both kills at one step);
+- where the run cannot go on (slow): a fixed trainer group that lost a node and gets none back ends after
+  cluster.trainer_wait_s with status 69, and a lost head ends a driver off it with status 69; each time the same
+  command submitted again (on a new cluster for the head) resumes from the newest sealed checkpoint.
 
-Each run finishes with the losses of the same run without a fault (1e-5) and a ledger that shows every sample
-trained exactly once.
+Each run finishes with the losses of the same run without a fault (1e-5; the both-at-once rehearsal: its last line)
+and a ledger that shows every sample trained exactly once.
 
 Run: python -m pytest tests/test_node_loss.py -q     (the target node: about 3 minutes on 2 cores, the cluster and an
-     unfaulted run included; -m slow adds the trainer node, about 3 minutes more)
+     unfaulted run included; -m slow adds the other four, about 20 minutes more)
 """
 
 from __future__ import annotations
@@ -221,3 +225,20 @@ def test_a_lost_head_ends_the_run_in_one_line_and_a_new_cluster_resumes_it(clean
         second.stop()
     assert f"resuming from {run_dir / 'checkpoints' / sealed}" in again.read_text(), again.read_text()[-4000:]
     _same_run(run_dir, clean)
+
+
+@pytest.mark.slow
+def test_a_trainer_node_and_a_target_node_lost_at_once(capsys):
+    """Both kinds of node killed at the same step (bench/node_loss.py with both kills at step 20, back to back): the
+    run goes on, on the trainer and the target worker left, grows back when a trainer node joins, and its ledger
+    shows every sample trained exactly once."""
+    from node_loss import main
+
+    rc = main(["--target-kill-at", "20", "--trainer-kill-at", "20"])
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert rc == 0, out
+    assert re.fullmatch(r"node_loss nodes=5 killed=2 survived=yes detect_s=\d+\.\d recover_s=\d+\.\d lost_steps=\d+ "
+                        r"duplicates=0 missing=0", last), out
+    assert re.search(r"step (\d+): killed node target-1 \(target\)\nstep \1: killed node trainers-1 \(trainer\)\n",
+                     out), out  # the same step, back to back
