@@ -57,7 +57,8 @@ from serving.engine_export import write_engine_export
 
 TOL = 1e-4
 V, D, NUM_TARGET_LAYERS, MASK_ID = 160, 64, 3, 3
-CONTEXT_LAYERS = [1, 3]  # HF hidden-state indices = speculators' aux_hidden_state_layer_ids
+CONTEXT_LAYERS = [1, 2]  # HF hidden-state indices = speculators' aux_hidden_state_layer_ids (not 3: the final
+# state after the norm, which engines never hand a draft and our exports refuse, serving/layer_ids.py)
 SEQ_LENS = [30, 26]
 BLOCKS = [(0, 0), (0, 9), (0, 23), (1, 4), (1, 18)]  # (sequence, anchor position): every block inside its sequence
 SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, head_rank=16, rnn_state_size=16,
