@@ -57,18 +57,13 @@ def main(request_path: str, result_path: str) -> int:
         start = len(log)
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         prompts.append({"tokens": list(out.outputs[0].token_ids), "rounds": [list(r) for r in log[start:]]})
-    write_result(llm, result_path, prompts)
-    return 0
-
-
-def write_result(llm, result_path: str, prompts: list[dict]) -> None:
-    """The result file: each prompt's record, and vLLM's own spec-decode counters (bench/vllm_side_dspark.py too)."""
     metrics = {}
     for m in llm.get_metrics():
         if "spec_decode" in m.name:
             metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else list(getattr(m, "values", []))
     with open(result_path, "w") as f:
         json.dump({"prompts": prompts, "metrics": metrics}, f)
+    return 0
 
 
 if __name__ == "__main__":

@@ -88,9 +88,12 @@ def main(request_path: str, result_path: str) -> int:
                 raise RuntimeError(f"prompt {i}: {len(mine)} drafts recorded for {len(counted)} verified rounds")
             out.append({"prompt": i, "sample": s, "tokens": list(res.outputs[0].token_ids),
                         "rounds": [[n, block, conf] for n, (block, conf) in zip(counted, mine)]})
-    from vllm_side_dflash import write_result  # this script's folder, bench/, is on sys.path
-
-    write_result(llm, result_path, out)
+    metrics = {}
+    for m in llm.get_metrics():
+        if "spec_decode" in m.name:
+            metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else list(getattr(m, "values", []))
+    with open(result_path, "w") as f:
+        json.dump({"prompts": out, "metrics": metrics}, f)
     return 0
 
 
